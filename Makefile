@@ -1,0 +1,41 @@
+# Two commands for a fresh clone: `make serve` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODELS_DIR ?= models
+PORT ?= 8080
+
+.PHONY: serve test lint format bake bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch==2.13.0 exactly: its CPU wheel is on local disk (a looser pin pulls a CUDA build)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+bake: $(STAMP)
+	$(PY) -m app bake --synthetic --models-dir $(MODELS_DIR)
+
+serve: $(STAMP)
+	@test -n "$$(ls $(MODELS_DIR)/*/decoder.safetensors 2>/dev/null)" || $(MAKE) bake
+	PORT=$(PORT) $(PY) -m app serve --models-dir $(MODELS_DIR)
+
+test: $(STAMP)
+	$(PY) -m ruff check app tests bench
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check app tests bench
+	$(PY) -m ruff format --check app tests bench
+
+format: $(STAMP)
+	$(PY) -m ruff format app tests bench
+	$(PY) -m ruff check --fix app tests bench
+
+bench: $(STAMP)
+	$(PY) -m bench flux --size 512
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

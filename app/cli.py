@@ -1,0 +1,103 @@
+"""Command line: serve, bake, import, decode (see ``python -m app --help``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_STORE = os.environ.get("VAE_MODELS_DIR", "models")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m app", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the HTTP service")
+    serve.add_argument("--host", default=os.environ.get("HOST", "0.0.0.0"))
+    serve.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8080")))
+    serve.add_argument("--models-dir", default=DEFAULT_STORE)
+    serve.set_defaults(run=_serve)
+
+    bake = sub.add_parser("bake", help="write the embedded default models into the store")
+    bake.add_argument("--synthetic", action="store_true", required=True,
+                      help="deterministic seeded weights (nothing to download)")
+    bake.add_argument("--models-dir", default=DEFAULT_STORE)
+    bake.add_argument("--only", nargs="*", help="names to bake (default: every embedded one)")
+    bake.add_argument("--force", action="store_true", help="rewrite entries already in the store")
+    bake.set_defaults(run=_bake)
+
+    imp = sub.add_parser("import", help="convert a checkpoint into the store")
+    imp.add_argument("family", help="flux | ltx | minimax-h3 | taesd")
+    imp.add_argument("source", type=Path, help="diffusers folder or single checkpoint file")
+    imp.add_argument("--name", required=True)
+    imp.add_argument("--models-dir", default=DEFAULT_STORE)
+    imp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    imp.set_defaults(run=_import)
+
+    dec = sub.add_parser("decode", help="decode a latent file (local store or --url)")
+    dec.add_argument("latent", type=Path, help=".safetensors or .npy latent")
+    dec.add_argument("--model", required=True)
+    dec.add_argument("-o", "--output", type=Path, default=Path("out.png"))
+    dec.add_argument("--url", help="a running service, e.g. http://127.0.0.1:8080")
+    dec.add_argument("--models-dir", default=DEFAULT_STORE)
+    dec.set_defaults(run=_decode)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # noqa: E501
+    sys.exit(args.run(args) or 0)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.config import Settings
+    from app.service import create_app
+
+    settings = Settings(models_dir=Path(args.models_dir))
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
+    return 0
+
+
+def _bake(args: argparse.Namespace) -> int:
+    import torch
+
+    from app.decoders import FAMILIES, family_module
+    from app.store import list_models, write_model
+
+    done = set(list_models(Path(args.models_dir)))
+    for family in FAMILIES:
+        try:
+            module = family_module(family)
+        except ImportError:
+            continue
+        for name, config in getattr(module, "SYNTHETIC", {}).items():
+            if (args.only and name not in args.only) or (name in done and not args.force):
+                continue
+            decoder = module.Decoder(config)
+            module.init_synthetic(decoder, torch.Generator().manual_seed(0))
+            write_model(Path(args.models_dir), name, family, config, decoder.state_dict(),
+                        source="synthetic:seed=0", dtype="float32")  # fmt: skip
+            print(f"baked {name} ({family}) into {args.models_dir}/{name}")
+    return 0
+
+
+def _import(args: argparse.Namespace) -> int:
+    from app.decoders import family_module
+    from app.store import write_model
+
+    config, state = family_module(args.family).convert(args.source)
+    manifest = write_model(Path(args.models_dir), args.name, args.family, config, state,
+                           source=str(args.source.resolve()), dtype=args.dtype)  # fmt: skip
+    print(f"imported {args.source} as {manifest.name} ({manifest.family}, {manifest.dtype}, "
+          f"sha256 {manifest.sha256[:12]})")  # fmt: skip
+    return 0
+
+
+def _decode(args: argparse.Namespace) -> int:
+    from app.client import decode_file
+
+    return decode_file(args)

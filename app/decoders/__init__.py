@@ -1,0 +1,20 @@
+"""Decoder families, loaded by name. Each module implements ``base.VAEDecoder``."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+FAMILIES: dict[str, str] = {
+    "flux": "app.decoders.flux",
+    "ltx": "app.decoders.ltx",
+    "minimax-h3": "app.decoders.minimax_h3",
+    "taesd": "app.decoders.taesd",
+}
+
+
+def family_module(family: str) -> ModuleType:
+    """The module of one family; ``KeyError`` names the known ones."""
+    if family not in FAMILIES:
+        raise KeyError(f"unknown decoder family {family!r}; known: {', '.join(FAMILIES)}")
+    return importlib.import_module(FAMILIES[family])

@@ -1,0 +1,111 @@
+"""The one interface every decoder family implements.
+
+A family module (``app/decoders/<family>.py``) provides:
+
+* ``Decoder``: a ``VAEDecoder`` subclass built from a plain JSON config dict.
+  Its ``state_dict()`` names are the canonical names of the model store.
+* ``convert(source: Path) -> tuple[dict, dict[str, Tensor]]``: read a checkpoint
+  (diffusers folder or an original single file) and return ``(config,
+  decoder-only state dict in canonical names)``. Used by ``python -m app import``.
+* optionally ``SYNTHETIC: dict[str, dict]`` (store name -> config) and
+  ``init_synthetic(decoder, generator)`` for ``python -m app bake --synthetic``.
+
+The service never needs to know which family it is serving.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import Tensor, nn
+
+from app.timing import NULL_TIMER, PhaseTimer
+
+# What ``decode`` returns, before any post-processing:
+#   "signed"   RGB in [-1, 1] (flux, ltx)
+#   "imagenet" ImageNet-normalized RGB (minimax-h3)
+#   "unit"     RGB in [0, 1] (taesd)
+OutputSpace = Literal["signed", "imagenet", "unit"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class VAEDecoder(nn.Module, ABC):
+    """A resident VAE decoder: latents in, pixels out, stages timed."""
+
+    family: ClassVar[str]
+    output_space: ClassVar[OutputSpace] = "signed"
+    is_video: ClassVar[bool] = False
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = dict(config)
+
+    # --- geometry -------------------------------------------------------
+    @property
+    @abstractmethod
+    def latent_channels(self) -> int:
+        """Channels of the (unpacked) latent this decoder takes."""
+
+    @property
+    @abstractmethod
+    def spatial_scale(self) -> int:
+        """Pixels per latent cell along H and W."""
+
+    @property
+    def temporal_scale(self) -> int:
+        """Frames per latent frame (video decoders)."""
+        return 1
+
+    def frames_out(self, latent_frames: int) -> int:
+        """Frames decoded from ``latent_frames`` (video decoders override)."""
+        return latent_frames
+
+    def summary(self) -> dict[str, Any]:
+        """Short description for ``GET /models``."""
+        return {
+            "latent_channels": self.latent_channels,
+            "spatial_scale": self.spatial_scale,
+            "temporal_scale": self.temporal_scale,
+            "video": self.is_video,
+            "output_space": self.output_space,
+        }
+
+    # --- decoding -------------------------------------------------------
+    def denormalize(self, z: Tensor) -> Tensor:
+        """The model's own latent de-normalization (``do_scaling`` without factors)."""
+        return z
+
+    @abstractmethod
+    def decode(self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any) -> Tensor:
+        """Latent ``[B,C,H,W]`` (or ``[B,C,T,H,W]``) -> RGB in ``output_space``.
+
+        Exactly what the reference implementation's ``.decode`` returns.
+        ``options`` carries per-request knobs a family understands (for
+        example ``timestep`` and ``seed`` for LTX); unknown ones are ignored.
+        """
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.decode(z)
+
+    def to_unit(self, x: Tensor) -> Tensor:
+        """Map ``decode``'s output to RGB in [0, 1], clamped."""
+        if self.output_space == "signed":
+            x = x / 2 + 0.5
+        elif self.output_space == "imagenet":
+            shape = (1, 3) + (1,) * (x.ndim - 2)
+            mean = torch.tensor(IMAGENET_MEAN, dtype=x.dtype, device=x.device).view(shape)
+            std = torch.tensor(IMAGENET_STD, dtype=x.dtype, device=x.device).view(shape)
+            x = x * std + mean
+        return x.clamp(0, 1)
+
+    def probe_latent(self, generator: torch.Generator) -> Tensor:
+        """A seeded N(0,1) latent of a representative size, for the parity gate."""
+        cells = max(1, 256 // self.spatial_scale)
+        shape = (1, self.latent_channels)
+        if self.is_video:
+            shape += (2,)
+        return torch.randn(shape + (cells, cells), generator=generator)

@@ -1,0 +1,80 @@
+"""Resident fast path and the parity gate.
+
+Every model keeps its exact float32 CPU decoder (memory-mapped from the store): it is the
+source of truth. The fast path is a copy on the serving device in the serving dtype, with
+channels_last and the exact upsample-conv rewrite. At startup both decode a fixed, seeded
+probe latent; the fast path is served only if the cosine of the two outputs reaches
+``VAE_PARITY_MIN_COS``. Otherwise the model is served on the float32 CPU path
+(``VAE_FALLBACK=cpu``) or kept not-ready (``VAE_FALLBACK=off``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from app.decoders.base import VAEDecoder
+from app.decoders.ops import cosine
+
+log = logging.getLogger("app.fastpath")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PROBE_SEED = 20261130
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("VAE_DEVICE=cuda but no CUDA device is visible")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def candidate_dtypes(setting: str, device: torch.device) -> list[torch.dtype]:
+    """Dtypes to try, fastest first; ``auto`` ends with float32, which always passes."""
+    if setting != "auto":
+        return [DTYPES[setting]]
+    if device.type == "cuda":
+        return [torch.bfloat16, torch.float32]
+    return [torch.bfloat16, torch.float32] if _cpu_has_fast_bf16() else [torch.float32]
+
+
+def _cpu_has_fast_bf16() -> bool:
+    """bf16 GEMMs beat float32 only with native bf16 dot products (AVX512-BF16 or AMX)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def make_fast(reference: VAEDecoder, device: torch.device, dtype: torch.dtype) -> VAEDecoder:
+    """A resident copy of the decoder for serving: device, dtype, channels_last, rewrites."""
+    if device.type == "cpu" and dtype == torch.float32:
+        return reference  # the exact path is served as it is
+    fast = copy.deepcopy(reference).to(device=device, dtype=dtype)
+    fast = fast.to(memory_format=torch.channels_last)
+    if hasattr(fast, "set_upsample_rewrite"):
+        fast.set_upsample_rewrite(True)
+    return fast.eval().requires_grad_(False)
+
+
+@dataclass
+class GateResult:
+    cosine: float
+    passed: bool
+
+
+@torch.inference_mode()
+def parity_gate(fast: VAEDecoder, reference: VAEDecoder, min_cos: float) -> GateResult:
+    """Decode the seeded probe on both paths; cosine in float64 of the flattened outputs."""
+    if fast is reference:
+        return GateResult(1.0, True)
+    probe = reference.probe_latent(torch.Generator().manual_seed(PROBE_SEED))
+    expected = reference.decode(probe)
+    got = fast.decode(probe.to(next(fast.parameters()).device))
+    cos = cosine(got, expected)
+    return GateResult(cos, cos >= min_cos)

@@ -1,0 +1,40 @@
+"""Decoded pixels -> response bytes: PNG/JPEG/WebP via Pillow, tensors as raw bytes."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+PIL_FORMAT = {"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}
+WIRE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+             torch.uint8: "uint8"}  # fmt: skip
+
+
+def to_uint8_hwc(unit: Tensor) -> Tensor:
+    """[N,3,H,W] in [0,1] -> uint8 [N,H,W,3], rounded as diffusers' postprocess does."""
+    return (unit.float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
+
+
+def encode_image(unit: Tensor, fmt: str, quality: int = 90) -> bytes:
+    """One image [3,H,W] in [0,1] -> encoded bytes."""
+    array = to_uint8_hwc(unit.unsqueeze(0))[0].contiguous().numpy()
+    buf = io.BytesIO()
+    options = {"quality": quality} if fmt in ("jpg", "webp") else {"compress_level": 1}
+    Image.fromarray(array, "RGB").save(buf, format=PIL_FORMAT[fmt], **options)
+    return buf.getvalue()
+
+
+def tensor_bytes(tensor: Tensor) -> tuple[bytes, dict[str, str]]:
+    """Raw little-endian bytes plus the ``shape``/``dtype`` headers remote_decode reads."""
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the raw 16-bit words
+        data = tensor.view(torch.int16).numpy().astype("<i2").tobytes()
+    else:
+        data = np.ascontiguousarray(tensor.numpy()).astype(tensor.numpy().dtype.newbyteorder("<")).tobytes()
+    headers = {"shape": json.dumps(list(tensor.shape)), "dtype": WIRE_NAME[tensor.dtype]}
+    return data, headers

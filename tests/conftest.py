@@ -1,0 +1,22 @@
+"""Shared fixtures: paths, small configs, and a live uvicorn server on loopback."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def shared_path(*parts: str) -> Path:
+    """A path under ../shared, or skip: a user's clone has no ../shared."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{path} is absent: ../shared ships only beside the project's CI checkout")
+    return path
