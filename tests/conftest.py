@@ -20,3 +20,22 @@ def shared_path(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is absent: ../shared ships only beside the project's CI checkout")
     return path
+
+
+@pytest.fixture(scope="session")
+def flux_store(tmp_path_factory) -> Path:
+    """Tiny FLUX.1 / SD / FLUX.2 decoders with seeded weights."""
+    from tests.live import TINY_FLUX, bake
+
+    store = tmp_path_factory.mktemp("store")
+    for name, config in TINY_FLUX.items():
+        bake(store, "flux", name, config)
+    return store
+
+
+@pytest.fixture(scope="session")
+def flux_server(flux_store):
+    from tests.live import live_server
+
+    with live_server(flux_store, dtype="float32", default_model="flux-tiny") as url:
+        yield url

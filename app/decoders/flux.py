@@ -333,6 +333,9 @@ def init_synthetic(decoder: Decoder, generator: torch.Generator) -> None:
         else:
             fan_in = param[0].numel()
             param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
+    if decoder.bn is not None:  # FLUX.2: non-trivial latent statistics, like trained ones
+        decoder.bn.running_mean.copy_(0.5 * torch.randn(decoder.bn.running_mean.shape, generator=generator))
+        decoder.bn.running_var.copy_(0.5 + 1.5 * torch.rand(decoder.bn.running_var.shape, generator=generator))
     for module in decoder.modules():
         if isinstance(module, ResnetBlock):
             module.conv2.weight.mul_(0.1)

@@ -1,0 +1,121 @@
+"""Model store and `python -m app import/bake`: layouts, manifests, refusal of bad entries."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from diffusers import AutoencoderKL
+from safetensors.torch import save_file
+
+from app.store import StoreError, check_name, load_model, sha256_file
+from tests.conftest import ROOT
+
+# 32 groups: BFL's code hard-codes them, so a single file cannot say otherwise
+CFG = dict(latent_channels=16, block_out_channels=(32, 64, 64), layers_per_block=1,
+           norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False,
+           down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3)  # fmt: skip
+
+
+def _bfl_name(key: str, n_up: int) -> str:
+    """diffusers -> Black Forest Labs / LDM names, written independently of app/ as the spec."""
+    fixed = {
+        "decoder.mid_block.resnets.0": "decoder.mid.block_1",
+        "decoder.mid_block.resnets.1": "decoder.mid.block_2",
+        "decoder.mid_block.attentions.0.group_norm": "decoder.mid.attn_1.norm",
+        "decoder.mid_block.attentions.0.to_q": "decoder.mid.attn_1.q",
+        "decoder.mid_block.attentions.0.to_k": "decoder.mid.attn_1.k",
+        "decoder.mid_block.attentions.0.to_v": "decoder.mid.attn_1.v",
+        "decoder.mid_block.attentions.0.to_out.0": "decoder.mid.attn_1.proj_out",
+        "decoder.conv_norm_out": "decoder.norm_out",
+    }
+    for ours, bfl in fixed.items():
+        if key.startswith(ours + "."):
+            return bfl + key[len(ours):]
+    parts = key.split(".")
+    if parts[1] == "up_blocks":
+        i = n_up - 1 - int(parts[2])
+        if parts[3] == "resnets":
+            rest = ".".join(parts[5:]).replace("conv_shortcut", "nin_shortcut")
+            return f"decoder.up.{i}.block.{parts[4]}.{rest}"
+        return f"decoder.up.{i}.upsample.{'.'.join(parts[5:])}"
+    return key
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """One set of weights in two layouts: a diffusers folder and a BFL ae.safetensors."""
+    root = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(3)
+    ref = AutoencoderKL(**CFG).eval()
+    ref.save_pretrained(root / "pipeline" / "vae")
+    bfl = {}
+    for key, value in ref.state_dict().items():
+        name = _bfl_name(key, 3)
+        if ".attn_1." in name and name.endswith("weight") and "norm" not in name:
+            value = value[:, :, None, None]  # BFL keeps q/k/v/proj_out as 1x1 convs
+        bfl[name] = value.contiguous()
+    save_file(bfl, str(root / "ae.safetensors"))
+    return root, ref
+
+
+def _app(*args: str, store) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app", *args, "--models-dir", str(store)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_bfl_layout_imports_identically_to_diffusers_folder(checkpoints, tmp_path):
+    root, ref = checkpoints
+    assert _app("import", "flux", str(root / "pipeline"), "--name", "from-folder",
+                store=tmp_path).returncode == 0  # fmt: skip
+    done = _app("import", "flux", str(root / "ae.safetensors"), "--name", "from-bfl", store=tmp_path)  # noqa: E501
+    assert done.returncode == 0, done.stderr
+    _, a = load_model(tmp_path, "from-folder")
+    _, b = load_model(tmp_path, "from-bfl")
+    assert a.config["block_out_channels"] == b.config["block_out_channels"] == [32, 64, 64]
+    assert not any(k.startswith("encoder") for k in a.state_dict())  # decoder only
+    z = torch.randn(1, 16, 5, 7)
+    with torch.no_grad():
+        expected = ref.decode(z).sample
+        assert torch.equal(a.decode(z), b.decode(z))
+        assert (a.decode(z) - expected).abs().max() < 1e-5
+
+
+def test_manifest_records_family_dtype_source_and_hash(checkpoints, tmp_path):
+    root, _ = checkpoints
+    done = _app("import", "flux", str(root / "ae.safetensors"), "--name", "half",
+                "--dtype", "bfloat16", store=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((tmp_path / "half" / "manifest.json").read_text())
+    assert manifest["family"] == "flux" and manifest["dtype"] == "bfloat16"
+    assert manifest["source"].endswith("ae.safetensors")
+    assert manifest["sha256"] == sha256_file(tmp_path / "half" / "decoder.safetensors")
+    _, decoder = load_model(tmp_path, "half", verify=True)
+    assert next(decoder.parameters()).dtype == torch.bfloat16
+
+
+def test_bake_is_deterministic(tmp_path):
+    for store in (tmp_path / "a", tmp_path / "b"):
+        done = _app("bake", "--synthetic", "--only", "flux1-synthetic", store=store)
+        assert done.returncode == 0, done.stderr
+    sums = [json.loads((tmp_path / s / "flux1-synthetic" / "manifest.json").read_text())["sha256"]
+            for s in ("a", "b")]  # fmt: skip
+    assert sums[0] == sums[1]
+    _, decoder = load_model(tmp_path / "a", "flux1-synthetic")
+    assert decoder.config["block_out_channels"] == [128, 256, 512, 512]  # FLUX.1 at full size
+
+
+def test_bad_entries_are_named(tmp_path, checkpoints):
+    root, _ = checkpoints
+    _app("import", "flux", str(root / "ae.safetensors"), "--name", "good", store=tmp_path)
+    (tmp_path / "good" / "decoder.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(StoreError, match="good"):
+        load_model(tmp_path, "good")
+    for bad in ("../etc", "a/b", "", ".hidden"):
+        with pytest.raises(StoreError):
+            check_name(bad)
+    done = _app("import", "flux", str(tmp_path / "missing.safetensors"), "--name", "x", store=tmp_path)  # noqa: E501
+    assert done.returncode != 0
