@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 MODELS_DIR ?= models
 PORT ?= 8080
 
-.PHONY: serve test lint format bake bench clean
+.PHONY: install serve test lint format bake bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# torch==2.13.0 exactly: its CPU wheel is on local disk (a looser pin pulls a CUDA build)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+install: $(STAMP)
 
 bake: $(STAMP)
 	$(PY) -m app bake --synthetic --models-dir $(MODELS_DIR)

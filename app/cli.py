@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -22,8 +21,12 @@ def main(argv: list[str] | None = None) -> None:
     serve.set_defaults(run=_serve)
 
     bake = sub.add_parser("bake", help="write the embedded default models into the store")
-    bake.add_argument("--synthetic", action="store_true", required=True,
-                      help="deterministic seeded weights (nothing to download)")
+    bake.add_argument(
+        "--synthetic",
+        action="store_true",
+        required=True,
+        help="deterministic seeded weights (nothing to download)",
+    )
     bake.add_argument("--models-dir", default=DEFAULT_STORE)
     bake.add_argument("--only", nargs="*", help="names to bake (default: every embedded one)")
     bake.add_argument("--force", action="store_true", help="rewrite entries already in the store")
@@ -46,8 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--timings", action="store_true", help="print the per-phase table")
     dec.add_argument("-q", "--quiet", action="store_true", help="no progress or summary line")
     dec.add_argument("--timeout", type=float, default=600.0, help="--url: seconds for the call")
-    dec.add_argument("--do-scaling", action="store_true",
-                     help="apply the model's own latent de-normalization")
+    dec.add_argument(
+        "--do-scaling", action="store_true", help="apply the model's own latent de-normalization"
+    )
     dec.add_argument("--scaling-factor", type=float, help="decode z / scaling_factor + shift")
     dec.add_argument("--shift-factor", type=float)
     dec.add_argument("--height", type=int, help="pixel height of a packed [B,N,4C] latent")
@@ -59,7 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     dec.set_defaults(run=_decode)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # noqa: E501
+    from app.logging_json import configure_logging
+
+    configure_logging()
     sys.exit(args.run(args) or 0)
 
 
@@ -71,7 +77,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = Settings(models_dir=Path(args.models_dir))
     app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=10)
+    from app.logging_json import uvicorn_kwargs
+
+    uvicorn.run(
+        app, host=args.host, port=args.port, timeout_graceful_shutdown=10, **uvicorn_kwargs()
+    )
     return 0
 
 
@@ -92,8 +102,15 @@ def _bake(args: argparse.Namespace) -> int:
                 continue
             decoder = module.Decoder(config)
             module.init_synthetic(decoder, torch.Generator().manual_seed(0))
-            write_model(Path(args.models_dir), name, family, config, decoder.state_dict(),
-                        source="synthetic:seed=0", dtype="float32")  # fmt: skip
+            write_model(
+                Path(args.models_dir),
+                name,
+                family,
+                config,
+                decoder.state_dict(),
+                source="synthetic:seed=0",
+                dtype="float32",
+            )
             print(f"baked {name} ({family}) into {args.models_dir}/{name}")
     return 0
 
@@ -103,10 +120,19 @@ def _import(args: argparse.Namespace) -> int:
     from app.store import write_model
 
     config, state = family_module(args.family).convert(args.source)
-    manifest = write_model(Path(args.models_dir), args.name, args.family, config, state,
-                           source=str(args.source.resolve()), dtype=args.dtype)  # fmt: skip
-    print(f"imported {args.source} as {manifest.name} ({manifest.family}, {manifest.dtype}, "
-          f"sha256 {manifest.sha256[:12]})")  # fmt: skip
+    manifest = write_model(
+        Path(args.models_dir),
+        args.name,
+        args.family,
+        config,
+        state,
+        source=str(args.source.resolve()),
+        dtype=args.dtype,
+    )
+    print(
+        f"imported {args.source} as {manifest.name} ({manifest.family}, {manifest.dtype}, "
+        f"sha256 {manifest.sha256[:12]})"
+    )
     return 0
 
 

@@ -20,6 +20,7 @@ import contextvars
 import email.utils
 import io
 import json
+import logging
 import os
 import random
 import sys
@@ -225,7 +226,7 @@ def _error_from(status: int, content: bytes, request_id: str) -> DecodeError:
     return DecodeError(status, text, None, request_id, body)
 
 
-def _to_array(content: bytes, headers: httpx.Headers) -> np.ndarray:
+def _to_array(content: bytes | bytearray, headers: httpx.Headers) -> np.ndarray:
     """A tensor response (``shape`` and ``dtype`` headers) -> numpy (bfloat16 -> float32)."""
     shape = json.loads(headers.get("shape", "null"))
     dtype = headers.get("dtype", "float32")
@@ -237,8 +238,9 @@ def _to_array(content: bytes, headers: httpx.Headers) -> np.ndarray:
     return np.frombuffer(content, dtype=np.dtype(NP_DTYPES[dtype]).newbyteorder("<")).reshape(shape)
 
 
-def _result(output: str, content: bytes, headers: httpx.Headers) -> bytes | np.ndarray:
-    return _to_array(content, headers) if output in ("tensor", "frames") else content
+def _result(output: str, content: bytearray, headers: httpx.Headers) -> bytes | np.ndarray:
+    """Encoded media as bytes; tensors as numpy over the received buffer (writable, no copy)."""
+    return _to_array(content, headers) if output in ("tensor", "frames") else bytes(content)
 
 
 class _Attempts:
@@ -277,15 +279,17 @@ class _Attempts:
         """Seconds to wait before the next attempt, or raise ``error`` / the deadline."""
         if self.count > self.client.max_retries:
             raise error
-        base = self.client.backoff * 2 ** (self.count - 1)
-        wait = min(self.client.max_backoff, retry_after if retry_after is not None else base)
+        if retry_after is not None and retry_after > self.client.max_backoff:
+            raise error  # longer than this client waits: say so now rather than sleep on it
+        base = min(self.client.max_backoff, self.client.backoff * 2 ** (self.count - 1))
+        wait = retry_after if retry_after is not None else base
         wait = (
             wait * (1 + random.random() * self.client.jitter)
             + random.random() * self.client.backoff
         )
         left = self.remaining()
         if left is not None and wait >= left:
-            raise self.expired(f"(the server asked to retry in {wait:.1f} s; {error})")
+            raise self.expired(f"before the next attempt, due in {wait:.1f} s ({error})")
         return wait
 
 
@@ -308,16 +312,18 @@ class _Base:
         self.max_retries, self.deadline = max_retries, deadline
         self.backoff, self.max_backoff, self.jitter = backoff, max_backoff, jitter
         # per thread / per task, so concurrent callers each read their own call's timings
-        self._last: contextvars.ContextVar[CallInfo] = contextvars.ContextVar(f"last_{id(self)}")
+        self._last: contextvars.ContextVar[CallInfo | None] = contextvars.ContextVar(
+            f"last_{id(self)}", default=None
+        )
 
     @property
     def last_call(self) -> CallInfo | None:
-        return self._last.get(None)
+        return self._last.get()
 
     @property
     def last_timings(self) -> dict[str, float]:
         """Server-Timing phases of this thread's (or task's) last call, in milliseconds."""
-        info = self._last.get(None)
+        info = self._last.get()
         return dict(info.timings) if info else {}
 
     def _finish(self, attempts: _Attempts, req: _Request, response: httpx.Response) -> None:
@@ -386,7 +392,7 @@ class Client(_Base):
         req = _build(latent, model, output, params, self.token)
         buf = bytearray()
         response = self._send(req, buf.extend, deadline)
-        return _result(req.output, bytes(buf), response.headers)
+        return _result(req.output, buf, response.headers)
 
     def decode_image(self, latent: Any, model: str | None = None, **params: Any) -> Any:
         """One latent -> a ``PIL.Image`` (PNG on the wire: lossless)."""
@@ -433,6 +439,7 @@ class Client(_Base):
         self, req: _Request, sink: Callable[[bytes], Any], deadline: float | None
     ) -> httpx.Response:
         attempts = _Attempts(self, deadline if deadline is not None else self.deadline)
+        self._last.set(None)  # a failed call leaves no stale timings behind
         while True:
             attempts.count += 1
             try:
@@ -491,7 +498,7 @@ class AsyncClient(_Base):
         req = _build(latent, model, output, params, self.token)
         buf = bytearray()
         response = await self._send(req, buf.extend, deadline)
-        return _result(req.output, bytes(buf), response.headers)
+        return _result(req.output, buf, response.headers)
 
     async def decode_to_file(
         self,
@@ -519,6 +526,7 @@ class AsyncClient(_Base):
         self, req: _Request, sink: Callable[[bytes], Any], deadline: float | None
     ) -> httpx.Response:
         attempts = _Attempts(self, deadline if deadline is not None else self.deadline)
+        self._last.set(None)  # a failed call leaves no stale timings behind
         while True:
             attempts.count += 1
             try:
@@ -732,6 +740,9 @@ def _decode_remote(
     args: Any, latent: Path, out: Path, output: str, params: dict[str, Any]
 ) -> dict[str, float]:
     """Through a running service: the latent file is the request body, as it is on disk."""
+    logging.getLogger("httpx").setLevel(
+        logging.WARNING
+    )  # the CLI logs at INFO: no per-request lines
     with Client(args.url, timeout=args.timeout, deadline=args.timeout, max_retries=3) as client:
         client.decode_to_file(latent, out, args.model, output, **params)
         return client.last_timings
@@ -742,18 +753,26 @@ def _decode_local(
 ) -> dict[str, float]:
     """In this process, from the local store, on the exact float32 CPU path the service
     falls back to (same parsing, layout rules and encoders as the service)."""
+    if not (Path(args.models_dir) / args.model / "manifest.json").is_file():
+        raise CliError(_not_in_store(Path(args.models_dir), args.model))
+    t0 = time.perf_counter()
     import torch
 
     from app.timing import PhaseTimer
 
     timer = PhaseTimer()
+    timer.add("import", time.perf_counter() - t0)  # torch's import is most of a small decode
     decoder = _load_decoder(Path(args.models_dir), args.model, timer)
     with timer.phase("parse"):
         z, wire_dtype = _read_latent(latent_path, params, decoder)
     with torch.inference_mode():
-        decoded = _run_decoder(decoder, z, params, timer, progress)
-        with timer.phase("encode"):
-            _write_output(decoder, decoded, out, output, params, wire_dtype)
+        chunks = _iter_decoded(decoder, z, params, timer, progress)
+        if output == "mp4":
+            _write_mp4(decoder, z, chunks, out, params, timer)
+        else:
+            decoded = _cat(list(chunks))
+            with timer.phase("encode"):
+                _write_output(decoder, decoded, out, output, params, wire_dtype)
     return {name: seconds * 1000 for name, seconds in timer.phases().items()}
 
 
@@ -765,15 +784,20 @@ def _load_decoder(store: Path, name: str, timer: Any) -> Any:
     with timer.phase("load"):
         names = list_models(store)
         if name not in names:
-            have = ", ".join(names) or "nothing"
-            raise CliError(
-                f"model {name!r} is not in the store {store} (it has: {have}); "
-                "see --models-dir, `python -m app bake` and `import`"
-            )
+            raise CliError(_not_in_store(store, name))
         _, decoder = load_model(store, name)
         if any(p.dtype != torch.float32 for p in decoder.parameters()):
             decoder = decoder.float()  # the exact path: float32, as the service's reference
     return decoder
+
+
+def _not_in_store(store: Path, name: str) -> str:
+    """Names the store's entries without importing torch (the manifests are plain files)."""
+    have = sorted(p.parent.name for p in store.glob("*/manifest.json")) if store.is_dir() else []
+    return (
+        f"model {name!r} is not in the store {store} (it has: {', '.join(have) or 'nothing'}); "
+        "see --models-dir, `python -m app bake` and `import`"
+    )
 
 
 def _read_latent(path: Path, params: dict[str, Any], decoder: Any) -> tuple[Any, Any]:
@@ -792,12 +816,11 @@ def _read_latent(path: Path, params: dict[str, Any], decoder: Any) -> tuple[Any,
     return to_layout(tensor, wire, geo).float(), tensor.dtype
 
 
-def _run_decoder(
+def _iter_decoded(
     decoder: Any, z: Any, params: dict[str, Any], timer: Any, progress: Progress
-) -> Any:
-    """De-normalize and decode; a decoder with ``iter_decode`` reports each frame chunk."""
-    import torch
-
+) -> Iterator[Any]:
+    """De-normalize and decode; a video decoder with ``iter_decode`` yields (and reports)
+    each frame chunk as it is decoded, anything else one tensor."""
     from app.engine import Scaling
 
     scaling = Scaling(
@@ -807,19 +830,26 @@ def _run_decoder(
     with timer.phase("denormalize"):
         z = scaling.apply(decoder, z)
     if not (decoder.is_video and hasattr(decoder, "iter_decode")):
-        return decoder.decode(z, timer, **options)
+        yield decoder.decode(z, timer, **options)
+        return
     total = decoder.frames_out(z.shape[2]) if z.ndim == 5 else 1
-    chunks, done = [], 0
+    done = 0
     for chunk in decoder.iter_decode(z, timer, **options):
-        chunks.append(chunk)
         done += chunk.shape[2]
         progress.update(done, total)
-    return torch.cat(chunks, dim=2)
+        yield chunk
+
+
+def _cat(chunks: list[Any]) -> Any:
+    import torch
+
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
 
 
 def _write_output(
     decoder: Any, decoded: Any, out: Path, output: str, params: dict[str, Any], wire_dtype: Any
 ) -> None:
+    """An image (one, as the service's image responses) or the raw decode as ``.npy``."""
     import torch
 
     from app import media
@@ -831,26 +861,47 @@ def _write_output(
         return
     unit = decoder.to_unit(decoded)
     frames = unit.permute(0, 2, 1, 3, 4).flatten(0, 1) if unit.ndim == 5 else unit
-    if output == "mp4":
-        data = _encode_mp4(decoder, frames, params)
-    elif frames.shape[0] != 1:
+    if frames.shape[0] != 1:
         raise CliError(
             f"this latent decodes to {frames.shape[0]} images; {out.suffix} holds one "
             "(use a batch-1 latent, or .mp4 / .npy)"
         )
-    else:
-        fmt = {"jpeg": "jpg"}.get(output, output)
-        data = media.encode_image(frames[0], fmt, int(params.get("quality", 90)))
+    fmt = {"jpeg": "jpg"}.get(output, output)
+    data = media.encode_image(frames[0], fmt, int(params.get("quality", 90)))
     with _atomic(out) as f:
         f.write(data)
 
 
-def _encode_mp4(decoder: Any, frames: Any, params: dict[str, Any]) -> bytes:
+def _write_mp4(
+    decoder: Any, z: Any, chunks: Iterator[Any], out: Path, params: dict[str, Any], timer: Any
+) -> None:
+    """Frames streamed into the encoder chunk by chunk as they are decoded, as the service
+    streams them; ``encode`` is the encoder's own time, not the decode it waits on."""
     if not decoder.is_video:
         raise CliError("mp4 output needs a video model (this one decodes images)")
+    if z.shape[0] != 1:
+        raise CliError(f"an mp4 holds one video; this latent is a batch of {z.shape[0]}")
     try:
-        from app.video import encode_mp4_bytes
+        from app.video import encode_mp4, iter_frames
     except ImportError as exc:
         raise CliError(f"mp4 output is not available in this build ({exc})") from None
     fps = params.get("fps") or decoder.config.get("fps") or 24
-    return encode_mp4_bytes(frames, fps)
+    waited = 0.0
+
+    def frames() -> Iterator[Any]:
+        nonlocal waited
+        units = (decoder.to_unit(chunk) for chunk in chunks)
+        it = iter_frames(units)
+        while True:
+            t0 = time.perf_counter()
+            frame = next(it, None)
+            waited += time.perf_counter() - t0
+            if frame is None:
+                return
+            yield frame
+
+    t0 = time.perf_counter()
+    with _atomic(out) as f:
+        for data in encode_mp4(frames(), fps):
+            f.write(data)
+    timer.add("encode", time.perf_counter() - t0 - waited)

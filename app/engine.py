@@ -58,8 +58,9 @@ class ServedModel:
     @property
     def geometry(self) -> ModelGeometry:
         d = self.reference
-        return ModelGeometry(d.latent_channels, d.spatial_scale, d.temporal_scale, d.is_video,
-                             d.frames_out)  # fmt: skip
+        return ModelGeometry(
+            d.latent_channels, d.spatial_scale, d.temporal_scale, d.is_video, d.frames_out
+        )
 
     def describe(self) -> dict[str, Any]:
         serving_dtype = torch.float32 if self.fallback else self.dtype
@@ -101,10 +102,19 @@ class Job:
     timer: PhaseTimer
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
+    # Streaming (MP4): chunks in [0, 1] are put here as they are decoded, then None; the
+    # bound keeps a slow encoder from letting decoded frames pile up.
+    stream: queue.Queue | None = None
+    abandoned: threading.Event = field(default_factory=threading.Event)  # the reader went away
 
     def batch_key(self) -> tuple:
         opts = tuple(sorted(self.options.items()))
-        return (self.model.name, tuple(self.latent.shape[1:]), tuple(vars(self.scaling).items()), opts)
+        return (
+            self.model.name,
+            tuple(self.latent.shape[1:]),
+            tuple(vars(self.scaling).items()),
+            opts,
+        )
 
 
 class Engine:
@@ -125,7 +135,12 @@ class Engine:
         names = self.settings.model_names() or list_models(store)
         if not names:
             self.errors["*"] = f"no models in the store {store} (run `python -m app bake`)"
-        device = fastpath.resolve_device(self.settings.device)
+        try:
+            device = fastpath.resolve_device(self.settings.device)
+        except RuntimeError as exc:
+            self.errors["*"] = str(exc)
+            log.error("no model served: %s", exc)
+            names = []
         for name in names:
             try:
                 self.models[name] = self._load_one(store, name, device)
@@ -148,14 +163,25 @@ class Engine:
                 break
         reason = ""
         if not gate.passed:
-            reason = (f"parity cosine {gate.cosine:.6f} < {self.settings.parity_min_cos} on "
-                      f"{device.type}/{str(dtype).removeprefix('torch.')}")  # fmt: skip
+            reason = (
+                f"parity cosine {gate.cosine:.6f} < {self.settings.parity_min_cos} on "
+                f"{device.type}/{str(dtype).removeprefix('torch.')}"
+            )
             if self.settings.fallback == "off":
                 raise RuntimeError(f"{name}: {reason} and VAE_FALLBACK=off")
             log.warning("model %s served on the float32 CPU fallback: %s", name, reason)
-        served = ServedModel(name, manifest, reference, fast, device, dtype, gate.cosine,
-                             fallback=not gate.passed, reason=reason,
-                             load_seconds=time.perf_counter() - t0)  # fmt: skip
+        served = ServedModel(
+            name,
+            manifest,
+            reference,
+            fast,
+            device,
+            dtype,
+            gate.cosine,
+            fallback=not gate.passed,
+            reason=reason,
+            load_seconds=time.perf_counter() - t0,
+        )
         self.metrics.parity_cosine.labels(name).set(gate.cosine)
         self.metrics.fallback_active.labels(name).set(int(served.fallback))
         self.metrics.model_load_seconds.labels(name).set(served.load_seconds)
@@ -201,12 +227,17 @@ class Engine:
         """Consecutive queued jobs that can share one decode with ``first``."""
         batch, key = [first], first.batch_key()
         rows = first.latent.shape[0]
-        while rows < self.settings.max_batch:
+        while rows < self.settings.max_batch and first.stream is None:
             try:
                 nxt = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if nxt is None or nxt.batch_key() != key or rows + nxt.latent.shape[0] > self.settings.max_batch:  # noqa: E501
+            if (
+                nxt is None
+                or nxt.stream is not None
+                or nxt.batch_key() != key
+                or rows + nxt.latent.shape[0] > self.settings.max_batch
+            ):
                 self._pending = nxt
                 break
             batch.append(nxt)
@@ -220,6 +251,8 @@ class Engine:
         for job in batch:
             job.timer.add("queue", start - job.enqueued)
         lead = batch[0]
+        if lead.stream is not None:
+            return self._stream(lead)
         try:
             latent = torch.cat([j.latent for j in batch]) if len(batch) > 1 else lead.latent
             out = self.decode(lead.model, latent, lead.scaling, lead.options, lead.timer)
@@ -237,33 +270,84 @@ class Engine:
             job.future.set_result(out[rows : rows + n])
             rows += n
 
+    def _stream(self, job: Job) -> None:
+        """Decode chunk by chunk into ``job.stream``; the future resolves when all are out."""
+        decoder = job.model.active
+        try:
+            with torch.inference_mode():
+                z = self._prepare(decoder, job.latent, job.scaling, job.timer)
+                for chunk in decoder.iter_decode(z, job.timer, **job.options):
+                    if not _put(job, decoder.to_unit(chunk.float()).cpu()):
+                        break  # nobody is reading: stop decoding
+        except Exception as exc:
+            log.exception("streamed decode failed for model %s", job.model.name)
+            _put(job, exc)
+            job.future.set_exception(exc)
+            return
+        _put(job, None)
+        job.future.set_result(None)
+
     # --- decoding ----------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, model: ServedModel, latent: Tensor, scaling: Scaling,
-               options: dict[str, Any], timer: PhaseTimer) -> Tensor:  # fmt: skip
+    def decode(
+        self,
+        model: ServedModel,
+        latent: Tensor,
+        scaling: Scaling,
+        options: dict[str, Any],
+        timer: PhaseTimer,
+    ) -> Tensor:
         """De-normalize and decode on the served path; on a device OOM retry on the CPU path."""
         try:
             return self._decode_on(model.active, model, latent, scaling, options, timer)
         except torch.OutOfMemoryError:
             if model.active is model.reference:
                 raise
-            log.warning("model %s: device out of memory, retrying on the float32 CPU path", model.name)  # noqa: E501
+            log.warning(
+                "model %s: device out of memory, retrying on the float32 CPU path", model.name
+            )
             self.metrics.retries_total.labels(model.name, "oom", "cpu").inc()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             return self._decode_on(model.reference, model, latent, scaling, options, timer)
 
-    def _decode_on(self, decoder: VAEDecoder, model: ServedModel, latent: Tensor,
-                   scaling: Scaling, options: dict[str, Any], timer: PhaseTimer) -> Tensor:  # fmt: skip
+    @staticmethod
+    def _prepare(
+        decoder: VAEDecoder, latent: Tensor, scaling: Scaling, timer: PhaseTimer
+    ) -> Tensor:
+        """Upload to the decoder's device and de-normalize (in float32)."""
         param = next(decoder.parameters())
         with timer.phase("upload"):
             z = latent.to(param.device, non_blocking=True)
         with timer.phase("denormalize"):
             z = scaling.apply(decoder, z.float())
         timer.device = param.device
+        return z
+
+    def _decode_on(
+        self,
+        decoder: VAEDecoder,
+        model: ServedModel,
+        latent: Tensor,
+        scaling: Scaling,
+        options: dict[str, Any],
+        timer: PhaseTimer,
+    ) -> Tensor:
+        z = self._prepare(decoder, latent, scaling, timer)
         out = decoder.decode(z, timer, **options)
         with timer.phase("download"):
             return out.float().cpu()
+
+
+def _put(job: Job, item: object) -> bool:
+    """Hand an item to the stream's reader; False once the reader has gone away."""
+    while not job.abandoned.is_set():
+        try:
+            job.stream.put(item, timeout=0.5)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def _has_non_float32(module: torch.nn.Module) -> bool:

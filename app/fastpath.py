@@ -56,7 +56,8 @@ def make_fast(reference: VAEDecoder, device: torch.device, dtype: torch.dtype) -
     if device.type == "cpu" and dtype == torch.float32:
         return reference  # the exact path is served as it is
     fast = copy.deepcopy(reference).to(device=device, dtype=dtype)
-    fast = fast.to(memory_format=torch.channels_last)
+    if fast.channels_last:
+        fast = fast.to(memory_format=torch.channels_last)
     if hasattr(fast, "set_upsample_rewrite"):
         fast.set_upsample_rewrite(True)
     return fast.eval().requires_grad_(False)

@@ -11,8 +11,12 @@ from PIL import Image
 from torch import Tensor
 
 PIL_FORMAT = {"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}
-WIRE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-             torch.uint8: "uint8"}  # fmt: skip
+WIRE_NAME = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.uint8: "uint8",
+}
 
 
 def to_uint8_hwc(unit: Tensor) -> Tensor:
@@ -35,6 +39,10 @@ def tensor_bytes(tensor: Tensor) -> tuple[bytes, dict[str, str]]:
     if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the raw 16-bit words
         data = tensor.view(torch.int16).numpy().astype("<i2").tobytes()
     else:
-        data = np.ascontiguousarray(tensor.numpy()).astype(tensor.numpy().dtype.newbyteorder("<")).tobytes()
+        data = (
+            np.ascontiguousarray(tensor.numpy())
+            .astype(tensor.numpy().dtype.newbyteorder("<"))
+            .tobytes()
+        )
     headers = {"shape": json.dumps(list(tensor.shape)), "dtype": WIRE_NAME[tensor.dtype]}
     return data, headers

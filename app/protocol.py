@@ -82,10 +82,25 @@ class DecodeParams:
 
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 _KNOWN = {
-    "shape", "dtype", "output_type", "image_format", "partial_postprocess", "scaling_factor",
-    "shift_factor", "do_scaling", "height", "width", "fps", "timestep", "seed", "quality",
-    "model", "input_tensor_type", "output_tensor_type", "return_type",
-}  # fmt: skip
+    "shape",
+    "dtype",
+    "output_type",
+    "image_format",
+    "partial_postprocess",
+    "scaling_factor",
+    "shift_factor",
+    "do_scaling",
+    "height",
+    "width",
+    "fps",
+    "timestep",
+    "seed",
+    "quality",
+    "model",
+    "input_tensor_type",
+    "output_tensor_type",
+    "return_type",
+}
 
 
 def parse_params(items: list[tuple[str, str]]) -> DecodeParams:
@@ -144,9 +159,10 @@ def _parse_shape(values: list[str]) -> list[int]:
             raise ValueError
     except (ValueError, TypeError, json.JSONDecodeError, OverflowError):
         raise ProtocolError(
-            422, f"shape {values!r} is not a list of integers",
+            422,
+            f"shape {values!r} is not a list of integers",
             "shape=1&shape=16&shape=64&shape=64 or shape=[1,16,64,64]",
-        ) from None  # fmt: skip
+        ) from None
     if not 2 <= len(dims) <= 5 or any(d < 1 or d > 1 << 20 for d in dims):
         raise ProtocolError(422, f"shape {dims} is out of range", "2 to 5 dims, each 1..1048576")
     return dims
@@ -161,16 +177,21 @@ def _parse_bool(name: str, value: str | None, default: bool) -> bool:
         raise ProtocolError(422, f"{name}={value!r} is not a boolean", "true|false|1|0") from None
 
 
-def _parse_number(name: str, value: str | None, kind: type, low: float | None = None,
-                  high: float | None = None) -> Any:  # fmt: skip
+def _parse_number(
+    name: str, value: str | None, kind: type, low: float | None = None, high: float | None = None
+) -> Any:
     if value is None or value == "":
         return None
     try:
         number = kind(value)
     except (ValueError, OverflowError):
-        raise ProtocolError(422, f"{name}={value[:64]!r} is not a{'n integer' if kind is int else ' number'}") from None  # noqa: E501
-    if not math.isfinite(number) or (low is not None and number < low) or (
-        high is not None and number > high
+        raise ProtocolError(
+            422, f"{name}={value[:64]!r} is not a{'n integer' if kind is int else ' number'}"
+        ) from None
+    if (
+        not math.isfinite(number)
+        or (low is not None and number < low)
+        or (high is not None and number > high)
     ):
         raise ProtocolError(422, f"{name}={value[:64]!r} is out of range", f"{low}..{high}")
     return number
@@ -193,9 +214,10 @@ def parse_body(content_type: str | None, body: bytes, params: DecodeParams) -> T
     if kind == NPY_TYPE:
         return _parse_npy(body)
     raise ProtocolError(
-        415, f"Content-Type {kind!r} is not supported",
+        415,
+        f"Content-Type {kind!r} is not supported",
         "tensor/binary, application/octet-stream, application/x-safetensors or application/x-npy",
-    )  # fmt: skip
+    )
 
 
 def _parse_raw(body: bytes, params: DecodeParams) -> Tensor:
@@ -205,9 +227,11 @@ def _parse_raw(body: bytes, params: DecodeParams) -> Tensor:
     expected = math.prod(params.shape) * itemsize
     if len(body) != expected:
         raise ProtocolError(
-            400, f"body is {len(body)} bytes but shape {params.shape} of {params.dtype} "
-            f"needs {expected}", "little-endian tensor bytes, C order",
-        )  # fmt: skip
+            400,
+            f"body is {len(body)} bytes but shape {params.shape} of {params.dtype} "
+            f"needs {expected}",
+            "little-endian tensor bytes, C order",
+        )
     if not body:
         raise ProtocolError(400, "empty body")
     return torch.frombuffer(bytearray(body), dtype=dtype).reshape(params.shape)
@@ -225,7 +249,9 @@ def _parse_safetensors(body: bytes) -> Tensor:
         raise ProtocolError(400, f"safetensors body holds {len(tensors)} tensors", "exactly one")
     tensor = next(iter(tensors.values()))
     if tensor.dtype not in {d for d, _ in WIRE_DTYPES.values()}:
-        raise ProtocolError(422, f"tensor dtype {tensor.dtype} is not supported", "float32|float16|bfloat16")  # noqa: E501
+        raise ProtocolError(
+            422, f"tensor dtype {tensor.dtype} is not supported", "float32|float16|bfloat16"
+        )
     return tensor
 
 
@@ -235,7 +261,9 @@ def _parse_npy(body: bytes) -> Tensor:
     except (ValueError, OSError, EOFError) as exc:
         raise ProtocolError(400, f"body is not a valid .npy file: {exc}") from None
     if not isinstance(array, np.ndarray) or array.dtype not in (np.float32, np.float16):
-        raise ProtocolError(422, f".npy dtype {getattr(array, 'dtype', '?')} is not supported", "float32|float16")  # noqa: E501
+        raise ProtocolError(
+            422, f".npy dtype {getattr(array, 'dtype', '?')} is not supported", "float32|float16"
+        )
     return torch.from_numpy(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("=")))
 
 
@@ -260,15 +288,19 @@ def to_layout(tensor: Tensor, params: DecodeParams, geo: ModelGeometry) -> Tenso
     elif tensor.ndim == 3:
         tensor = tensor.unsqueeze(0)
     if tensor.ndim < 4 or tensor.ndim > 5:
-        raise ProtocolError(422, f"latent of {tensor.ndim} dims is not a supported layout",
-                            "[C,H,W], [B,C,H,W], [B,C,T,H,W] or packed [B,N,4C] with height/width")  # noqa: E501
+        raise ProtocolError(
+            422,
+            f"latent of {tensor.ndim} dims is not a supported layout",
+            "[C,H,W], [B,C,H,W], [B,C,T,H,W] or packed [B,N,4C] with height/width",
+        )
     if tensor.ndim == 5 and not geo.is_video:
         raise ProtocolError(422, "this model decodes images; got a 5-D video latent", "[B,C,H,W]")
     if tensor.shape[1] != geo.latent_channels:
         raise ProtocolError(
-            422, f"latent has {tensor.shape[1]} channels but this model takes "
-            f"{geo.latent_channels}", f"[B,{geo.latent_channels},H,W]",
-        )  # fmt: skip
+            422,
+            f"latent has {tensor.shape[1]} channels but this model takes {geo.latent_channels}",
+            f"[B,{geo.latent_channels},H,W]",
+        )
     return tensor
 
 
@@ -280,9 +312,11 @@ def _unpack(tensor: Tensor, params: DecodeParams, geo: ModelGeometry) -> Tensor:
     h2, w2 = params.height // cell, params.width // cell
     if c4 != 4 * geo.latent_channels or n != h2 * w2 or h2 == 0 or w2 == 0:
         raise ProtocolError(
-            422, f"packed latent {list(tensor.shape)} does not match height={params.height} "
-            f"width={params.width}", f"[B, {max(h2, 1) * max(w2, 1)}, {4 * geo.latent_channels}]",
-        )  # fmt: skip
+            422,
+            f"packed latent {list(tensor.shape)} does not match height={params.height} "
+            f"width={params.width}",
+            f"[B, {max(h2, 1) * max(w2, 1)}, {4 * geo.latent_channels}]",
+        )
     return unpack_tokens(tensor, params.height, params.width, geo.spatial_scale)
 
 
@@ -293,8 +327,9 @@ def check_limits(tensor: Tensor, geo: ModelGeometry, limits: Limits) -> None:
     if b > limits.max_batch:
         raise ProtocolError(413, f"batch {b} exceeds the limit {limits.max_batch}")
     if h * w > limits.max_pixels:
-        raise ProtocolError(413, f"output {w}x{h} exceeds the limit of {limits.max_pixels} "
-                            "pixels per frame")  # fmt: skip
+        raise ProtocolError(
+            413, f"output {w}x{h} exceeds the limit of {limits.max_pixels} pixels per frame"
+        )
     if tensor.ndim == 5:
         frames = geo.frames_out(tensor.shape[2])
         if frames > limits.max_frames:
@@ -303,7 +338,9 @@ def check_limits(tensor: Tensor, geo: ModelGeometry, limits: Limits) -> None:
         raise ProtocolError(422, "latent contains NaN or Inf values", "finite numbers")
 
 
-def choose_output(params: DecodeParams, accept: str | None, is_video: bool) -> tuple[OutputKind, str]:  # noqa: E501
+def choose_output(
+    params: DecodeParams, accept: str | None, is_video: bool
+) -> tuple[OutputKind, str]:
     """(kind, image format or '') from output_type, image_format and the Accept header."""
     accepts = [media_type(a) for a in (accept or "").split(",") if a.strip()]
     if params.output_type == "mp4" or "video/mp4" in accepts:

@@ -7,23 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import media
 from app.config import Settings
 from app.engine import Engine, Job, QueueFull, Scaling, ServedModel
+from app.logging_json import log_request
 from app.metrics import Metrics
 from app.protocol import (
     IMAGE_MIME,
@@ -37,6 +39,7 @@ from app.protocol import (
 )
 from app.store import NAME_RE
 from app.timing import PhaseTimer
+from app.video import encode_mp4, iter_frames
 
 log = logging.getLogger("app.service")
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -56,8 +59,11 @@ BODY_DOC = {
     "parameters": [
         {"name": n, "in": "query", "required": False, "schema": s, "description": d}
         for n, s, d in [
-            ("shape", {"type": "array", "items": {"type": "integer"}},
-             "latent shape for raw bodies; repeated keys or a JSON list"),
+            (
+                "shape",
+                {"type": "array", "items": {"type": "integer"}},
+                "latent shape for raw bodies; repeated keys or a JSON list",
+            ),
             ("dtype", {"type": "string", "enum": ["float32", "float16", "bfloat16"]}, "raw dtype"),
             ("output_type", {"type": "string", "enum": ["pil", "pt", "mp4"]}, "what to return"),
             ("image_format", {"type": "string", "enum": ["png", "jpg", "webp"]}, "image format"),
@@ -72,7 +78,7 @@ BODY_DOC = {
             ("seed", {"type": "integer"}, "noise seed (LTX noise injection)"),
             ("quality", {"type": "integer"}, "jpg/webp quality 1..100"),
         ]
-    ],  # fmt: skip
+    ],
 }
 
 
@@ -123,7 +129,9 @@ def _install_middleware(app: FastAPI) -> None:
         return response
 
 
-def _error(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:  # noqa: E501
+def _error(
+    status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -168,11 +176,13 @@ def _install_routes(app: FastAPI, engine: Engine, metrics: Metrics, settings: Se
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/decode/{model}", summary="Decode one latent (batch allowed)", openapi_extra=BODY_DOC)  # noqa: E501
+    @app.post(
+        "/decode/{model}", summary="Decode one latent (batch allowed)", openapi_extra=BODY_DOC
+    )
     async def decode_named(model: str, request: Request) -> Response:
         return await _handle_decode(request, model, engine, metrics, settings)
 
-    @app.post("/decode", summary="Decode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=BODY_DOC)  # noqa: E501
+    @app.post("/decode", summary="Decode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=BODY_DOC)
     async def decode_default(request: Request) -> Response:
         return await _handle_decode(request, None, engine, metrics, settings)
 
@@ -191,13 +201,16 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _resolve_model(name: str | None, params: DecodeParams, engine: Engine,
-                   settings: Settings) -> ServedModel:  # fmt: skip
+def _resolve_model(
+    name: str | None, params: DecodeParams, engine: Engine, settings: Settings
+) -> ServedModel:
     name = name or params.model or settings.default_model
     if name is None and len(engine.models) == 1:
         name = next(iter(engine.models))
     if name is None:
-        raise ProtocolError(400, "no model named", "POST /decode/{model}, ?model=, or set VAE_DEFAULT_MODEL")  # noqa: E501
+        raise ProtocolError(
+            400, "no model named", "POST /decode/{model}, ?model=, or set VAE_DEFAULT_MODEL"
+        )
     if not NAME_RE.match(name):
         raise ProtocolError(404, "invalid model name", "letters, digits, '.', '_', '-'")
     if name in engine.models:
@@ -209,8 +222,9 @@ def _resolve_model(name: str | None, params: DecodeParams, engine: Engine,
     raise ProtocolError(404, f"model {name!r} not found", ", ".join(sorted(engine.models)))
 
 
-async def _handle_decode(request: Request, name: str | None, engine: Engine, metrics: Metrics,
-                         settings: Settings) -> Response:  # fmt: skip
+async def _handle_decode(
+    request: Request, name: str | None, engine: Engine, metrics: Metrics, settings: Settings
+) -> Response:
     started = time.perf_counter()
     timer = PhaseTimer()
     model_label, output_label, code = name or "-", "-", 500
@@ -221,23 +235,50 @@ async def _handle_decode(request: Request, name: str | None, engine: Engine, met
         code = response.status_code
     except ProtocolError as exc:
         code = exc.status
-        headers = {"Retry-After": str(settings.retry_after_s)} if exc.status in (429, 503) else None  # noqa: E501
+        headers = {"Retry-After": str(settings.retry_after_s)} if exc.status in (429, 503) else None
         response = _error(exc.status, exc.body(), headers)
-    elapsed = time.perf_counter() - started
-    phases = timer.phases()
-    if code < 400 and model_label in engine.models:
-        device = engine.models[model_label].serving_device
-        metrics.observe_phases(model_label, device, phases)
-        metrics.request_seconds.labels(model_label, output_label).observe(elapsed)
-        metrics.response_bytes.labels(model_label, output_label).observe(len(response.body))
-    metrics.requests_total.labels(model_label if model_label in engine.models else "-",
-                                  output_label, str(code)).inc()  # fmt: skip
-    response.headers["Server-Timing"] = _server_timing(phases, elapsed)
+    response.headers["Server-Timing"] = _server_timing(
+        timer.phases(), time.perf_counter() - started
+    )
+
+    def finish(size: int) -> None:
+        """Metrics and the request's log line, once the whole body has been produced."""
+        elapsed, phases = time.perf_counter() - started, timer.phases()
+        served = engine.models.get(model_label)
+        if code < 400 and served is not None:
+            metrics.observe_phases(model_label, served.serving_device, phases)
+            metrics.request_seconds.labels(model_label, output_label).observe(elapsed)
+            metrics.response_bytes.labels(model_label, output_label).observe(size)
+        metrics.requests_total.labels(model_label if served else "-", output_label, str(code)).inc()
+        log_request(
+            request.state.request_id,
+            model_label,
+            getattr(request.state, "shape", None),
+            output_label,
+            code,
+            {k: v * 1000 for k, v in phases.items()},
+            served.serving_device if served else None,
+            served.fallback if served else None,
+            elapsed,
+            request.method,
+            str(request.url),
+            request.headers.get("user-agent"),
+            size,
+            trace_header=request.headers.get("x-cloud-trace-context")
+            or request.headers.get("traceparent"),
+            remote_ip=request.client.host if request.client else None,
+        )
+
+    if isinstance(response, StreamingResponse):
+        response.body_iterator = _counted(response.body_iterator, finish)
+    else:
+        finish(len(response.body))
     return response
 
 
-async def _decode(request: Request, name: str | None, engine: Engine, settings: Settings,
-                  timer: PhaseTimer) -> Response:  # fmt: skip
+async def _decode(
+    request: Request, name: str | None, engine: Engine, settings: Settings, timer: PhaseTimer
+) -> Response:
     with timer.phase("parse"):
         params = parse_params(list(request.query_params.multi_items()))
         model = _resolve_model(name, params, engine, settings)
@@ -245,28 +286,84 @@ async def _decode(request: Request, name: str | None, engine: Engine, settings: 
         geo = model.geometry
         kind, fmt = choose_output(params, request.headers.get("accept"), geo.is_video)
         latent = parse_body(request.headers.get("content-type"), body, params)
+        request.state.shape = list(latent.shape)
         wire_dtype = latent.dtype
         latent = to_layout(latent, params, geo)
         check_limits(latent.float(), geo, settings.limits())
-        if kind == "image" and latent.shape[0] * (geo.frames_out(latent.shape[2]) if latent.ndim == 5 else 1) != 1:
-            raise ProtocolError(422, "an image response holds one image; this latent decodes to more",
-                                "batch 1 (one frame), or output_type=pt")
+        if (
+            kind == "image"
+            and latent.shape[0] * (geo.frames_out(latent.shape[2]) if latent.ndim == 5 else 1) != 1
+        ):
+            raise ProtocolError(
+                422,
+                "an image response holds one image; this latent decodes to more",
+                "batch 1 (one frame), or output_type=pt",
+            )
     job = Job(model, latent.float(), _scaling(params), _options(params), timer)
+    if kind == "mp4":
+        if latent.shape[0] != 1:
+            raise ProtocolError(
+                422,
+                f"an MP4 holds one video; this latent has a batch of {latent.shape[0]}",
+                "batch 1, or output_type=pil|pt",
+            )
+        job.stream = queue.Queue(maxsize=2)
     try:
         future = engine.submit(job)
     except QueueFull:
-        raise ProtocolError(429, "decode queue is full", "retry after Retry-After seconds") from None  # noqa: E501
+        raise ProtocolError(
+            429, "decode queue is full", "retry after Retry-After seconds"
+        ) from None
+    if kind == "mp4":
+        fps = params.fps or model.reference.config.get("fps") or 24
+        return _mp4_response(job, fps, model.name)
     try:
         decoded = await asyncio.wrap_future(future)
     except asyncio.CancelledError:
         future.cancel()  # the client went away: drop the queued work
         raise
     except torch.OutOfMemoryError:
-        raise ProtocolError(503, "out of memory decoding this latent", "a smaller latent") from None  # noqa: E501
-    response = await asyncio.to_thread(_encode, model, decoded, kind, fmt, params, wire_dtype, timer)  # noqa: E501
+        raise ProtocolError(503, "out of memory decoding this latent", "a smaller latent") from None
+    response = await asyncio.to_thread(
+        _encode, model, decoded, kind, fmt, params, wire_dtype, timer
+    )
     response.headers["x-model"] = model.name
     response.headers["x-output"] = kind if kind != "image" else fmt
     return response
+
+
+async def _counted(body: AsyncIterator[bytes], done: Any) -> AsyncIterator[bytes]:
+    """Pass a streamed body through, then report its size (also when the client left)."""
+    size = 0
+    try:
+        async for chunk in body:
+            size += len(chunk)
+            yield chunk
+    finally:
+        done(size)
+
+
+def _mp4_response(job: Job, fps: float, model: str) -> StreamingResponse:
+    """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes."""
+
+    def chunks() -> Iterator[torch.Tensor]:
+        while True:
+            item = job.stream.get()
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def body() -> Iterator[bytes]:
+        try:
+            with job.timer.phase("encode"):
+                yield from encode_mp4(iter_frames(chunks()), fps)
+        finally:
+            job.abandoned.set()
+
+    headers = {"x-model": model, "x-output": "mp4"}
+    return StreamingResponse(body(), media_type="video/mp4", headers=headers)
 
 
 def _scaling(params: DecodeParams) -> Scaling:
@@ -274,11 +371,20 @@ def _scaling(params: DecodeParams) -> Scaling:
 
 
 def _options(params: DecodeParams) -> dict[str, Any]:
-    return {k: v for k, v in (("timestep", params.timestep), ("seed", params.seed)) if v is not None}  # noqa: E501
+    return {
+        k: v for k, v in (("timestep", params.timestep), ("seed", params.seed)) if v is not None
+    }
 
 
-def _encode(model: ServedModel, decoded: torch.Tensor, kind: str, fmt: str, params: DecodeParams,
-            wire_dtype: torch.dtype, timer: PhaseTimer) -> Response:  # fmt: skip
+def _encode(
+    model: ServedModel,
+    decoded: torch.Tensor,
+    kind: str,
+    fmt: str,
+    params: DecodeParams,
+    wire_dtype: torch.dtype,
+    timer: PhaseTimer,
+) -> Response:
     """Decoder output -> response body, per the chosen output kind."""
     decoder = model.reference
     with timer.phase("encode"):
@@ -292,11 +398,6 @@ def _encode(model: ServedModel, decoded: torch.Tensor, kind: str, fmt: str, para
         if kind == "unit_tensor":
             data, headers = media.tensor_bytes(frames.to(wire_dtype))
             return Response(data, media_type="tensor/binary", headers=headers)
-        if kind == "mp4":
-            from app.video import encode_mp4_bytes
-
-            fps = params.fps or decoder.config.get("fps") or 24
-            return Response(encode_mp4_bytes(frames, fps), media_type="video/mp4")
         data = media.encode_image(frames[0], fmt, params.quality)
         return Response(data, media_type=IMAGE_MIME[fmt])
 

@@ -67,25 +67,41 @@ def sha256_file(path: Path) -> str:
 
 
 def write_model(
-    store: Path, name: str, family: str, config: dict[str, Any], state: dict[str, Tensor],
-    source: str, dtype: str | None = None,
-) -> Manifest:  # fmt: skip
+    store: Path,
+    name: str,
+    family: str,
+    config: dict[str, Any],
+    state: dict[str, Tensor],
+    source: str,
+    dtype: str | None = None,
+) -> Manifest:
     """Write one entry: weights checked against the family's decoder, then the manifest."""
     folder = Path(store) / check_name(name)
     decoder = family_module(family).Decoder(config)
     missing, unexpected = _compare_keys(decoder, state)
     if missing or unexpected:
-        raise StoreError(f"{name}: weights do not fit the {family} decoder: missing "
-                         f"{missing[:5]}, unexpected {unexpected[:5]}")  # fmt: skip
+        raise StoreError(
+            f"{name}: weights do not fit the {family} decoder: missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]}"
+        )
     dtype = dtype or _dominant_dtype(state)
-    cast = {k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous()
-            for k, v in state.items()}  # fmt: skip
+    cast = {
+        k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous()
+        for k, v in state.items()
+    }
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (WEIGHTS + ".tmp")
     save_file(cast, str(tmp), metadata={"family": family, "name": name})
     tmp.replace(folder / WEIGHTS)
-    manifest = Manifest(name, family, config, dtype, source, sha256_file(folder / WEIGHTS),
-                        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))  # fmt: skip
+    manifest = Manifest(
+        name,
+        family,
+        config,
+        dtype,
+        source,
+        sha256_file(folder / WEIGHTS),
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
     manifest.write(folder)
     return manifest
 

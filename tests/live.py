@@ -20,14 +20,30 @@ from app.service import create_app
 from app.store import write_model
 
 TINY_FLUX = {
-    "flux-tiny": {"latent_channels": 16, "block_out_channels": [16, 32, 32, 32], "layers_per_block": 1,
-                  "norm_num_groups": 8},
-    "sd-tiny": {"latent_channels": 4, "block_out_channels": [16, 32, 32, 32], "layers_per_block": 1,
-                "norm_num_groups": 8, "use_post_quant_conv": True, "scaling_factor": 0.18215,
-                "shift_factor": None},
-    "flux2-tiny": {"latent_channels": 32, "block_out_channels": [16, 32, 32, 32], "layers_per_block": 1,
-                   "norm_num_groups": 8, "use_post_quant_conv": True, "latent_bn": True},
-}  # fmt: skip
+    "flux-tiny": {
+        "latent_channels": 16,
+        "block_out_channels": [16, 32, 32, 32],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+    },
+    "sd-tiny": {
+        "latent_channels": 4,
+        "block_out_channels": [16, 32, 32, 32],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "use_post_quant_conv": True,
+        "scaling_factor": 0.18215,
+        "shift_factor": None,
+    },
+    "flux2-tiny": {
+        "latent_channels": 32,
+        "block_out_channels": [16, 32, 32, 32],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "use_post_quant_conv": True,
+        "latent_bn": True,
+    },
+}
 
 
 def bake(store: Path, family: str, name: str, config: dict[str, Any], seed: int = 0) -> None:

@@ -13,21 +13,30 @@ SMALL = dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8)
 
 CASES = {
     # name: (diffusers class, kwargs, latent shape)
-    "flux1": (AutoencoderKL, dict(latent_channels=16, use_quant_conv=False,
-                                  use_post_quant_conv=False), (1, 16, 12, 12)),
+    "flux1": (
+        AutoencoderKL,
+        dict(latent_channels=16, use_quant_conv=False, use_post_quant_conv=False),
+        (1, 16, 12, 12),
+    ),
     "sd-4ch": (AutoencoderKL, dict(latent_channels=4), (2, 4, 8, 8)),
-    "non-square": (AutoencoderKL, dict(latent_channels=16, use_post_quant_conv=False,
-                                       block_out_channels=(32, 64, 64)), (1, 16, 6, 10)),
+    "non-square": (
+        AutoencoderKL,
+        dict(latent_channels=16, use_post_quant_conv=False, block_out_channels=(32, 64, 64)),
+        (1, 16, 6, 10),
+    ),
     "flux2": (AutoencoderKLFlux2, dict(latent_channels=32), (1, 32, 8, 12)),
 }
 
 
 def _pair(cls, kwargs):
     torch.manual_seed(0)
-    ref = cls(**{**SMALL, **kwargs}, down_block_types=("DownEncoderBlock2D",) *
-              len(kwargs.get("block_out_channels", SMALL["block_out_channels"])),
-              up_block_types=("UpDecoderBlock2D",) *
-              len(kwargs.get("block_out_channels", SMALL["block_out_channels"]))).eval()
+    ref = cls(
+        **{**SMALL, **kwargs},
+        down_block_types=("DownEncoderBlock2D",)
+        * len(kwargs.get("block_out_channels", SMALL["block_out_channels"])),
+        up_block_types=("UpDecoderBlock2D",)
+        * len(kwargs.get("block_out_channels", SMALL["block_out_channels"])),
+    ).eval()
     if isinstance(ref, AutoencoderKLFlux2):
         ref.bn.running_mean.normal_()
         ref.bn.running_var.uniform_(0.5, 2.0)
@@ -56,11 +65,22 @@ def test_decode_matches_diffusers(case, tmp_path):
 def test_flux2_denormalize_matches_pipeline():
     """FLUX.2's BatchNorm de-normalization, as its pipeline applies it before decode."""
     ref = _pair(AutoencoderKLFlux2, dict(latent_channels=32))
-    config = {"latent_channels": 32, "block_out_channels": [32, 64], "layers_per_block": 1,
-              "norm_num_groups": 8, "use_post_quant_conv": True, "latent_bn": True}
+    config = {
+        "latent_channels": 32,
+        "block_out_channels": [32, 64],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "use_post_quant_conv": True,
+        "latent_bn": True,
+    }
     ours = flux.Decoder(config)
-    ours.bn.load_state_dict({k.removeprefix("bn."): v for k, v in ref.state_dict().items()
-                             if k.startswith("bn.running_m") or k.startswith("bn.running_v")})
+    ours.bn.load_state_dict(
+        {
+            k.removeprefix("bn."): v
+            for k, v in ref.state_dict().items()
+            if k.startswith("bn.running_m") or k.startswith("bn.running_v")
+        }
+    )
     patched = torch.randn(1, 128, 4, 6)
     std = torch.sqrt(ref.bn.running_var.view(1, -1, 1, 1) + ref.config.batch_norm_eps)
     expected = flux.ops.unpatchify2x2(patched * std + ref.bn.running_mean.view(1, -1, 1, 1))
@@ -71,10 +91,21 @@ def test_flux2_denormalize_matches_pipeline():
 def test_upsample_rewrite_is_exact():
     torch.manual_seed(0)
     ref = _pair(AutoencoderKL, dict(latent_channels=16, use_post_quant_conv=False))
-    ours = flux.Decoder({"latent_channels": 16, "block_out_channels": [32, 64],
-                         "layers_per_block": 1, "norm_num_groups": 8})
-    ours.load_state_dict({k.removeprefix("decoder."): v for k, v in ref.state_dict().items()
-                          if k.startswith("decoder.")})
+    ours = flux.Decoder(
+        {
+            "latent_channels": 16,
+            "block_out_channels": [32, 64],
+            "layers_per_block": 1,
+            "norm_num_groups": 8,
+        }
+    )
+    ours.load_state_dict(
+        {
+            k.removeprefix("decoder."): v
+            for k, v in ref.state_dict().items()
+            if k.startswith("decoder.")
+        }
+    )
     z = torch.randn(1, 16, 7, 9)
     with torch.no_grad():
         plain = ours.decode(z)

@@ -32,10 +32,15 @@ def oracle(flux_store):
     cfg = TINY_FLUX["flux-tiny"]
     n = len(cfg["block_out_channels"])
     ref = AutoencoderKL(
-        latent_channels=16, block_out_channels=cfg["block_out_channels"],
-        layers_per_block=1, norm_num_groups=8, use_quant_conv=False, use_post_quant_conv=False,
-        down_block_types=("DownEncoderBlock2D",) * n, up_block_types=("UpDecoderBlock2D",) * n,
-    ).eval()  # fmt: skip
+        latent_channels=16,
+        block_out_channels=cfg["block_out_channels"],
+        layers_per_block=1,
+        norm_num_groups=8,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+    ).eval()
     missing, _ = ref.load_state_dict(
         {f"decoder.{k}": v for k, v in ours.state_dict().items()}, strict=False
     )
@@ -50,28 +55,41 @@ def _latent(*shape: int, seed: int = 0) -> torch.Tensor:
 def _expected_uint8(oracle, z: torch.Tensor) -> np.ndarray:
     with torch.no_grad():
         x = oracle.decode(z).sample
-    return VaeImageProcessor().postprocess(x, output_type="np").__mul__(255).round().astype(np.uint8)  # noqa: E501
+    return (
+        VaeImageProcessor().postprocess(x, output_type="np").__mul__(255).round().astype(np.uint8)
+    )
 
 
 def test_remote_decode_png_matches_diffusers(flux_server, oracle):
     z = _latent(1, 16, 8, 12)
-    image = remote_decode(f"{flux_server}/decode/flux-tiny", z, do_scaling=False,
-                          output_type="pil", image_format="png")  # fmt: skip
+    image = remote_decode(
+        f"{flux_server}/decode/flux-tiny",
+        z,
+        do_scaling=False,
+        output_type="pil",
+        image_format="png",
+    )
     assert image.size == (96, 64) and image.format == "png"
     diff = np.abs(np.asarray(image).astype(int) - _expected_uint8(oracle, z)[0].astype(int))
     assert diff.max() <= 1
 
 
 def test_remote_decode_jpg(flux_server):
-    image = remote_decode(f"{flux_server}/decode/flux-tiny", _latent(1, 16, 8, 8),
-                          do_scaling=False, output_type="pil", image_format="jpg")  # fmt: skip
+    image = remote_decode(
+        f"{flux_server}/decode/flux-tiny",
+        _latent(1, 16, 8, 8),
+        do_scaling=False,
+        output_type="pil",
+        image_format="jpg",
+    )
     assert image.format == "jpeg" and image.size == (64, 64)
 
 
 def test_remote_decode_pt_is_the_decoder_output(flux_server, oracle):
     z = _latent(2, 16, 6, 10)
-    got = remote_decode(f"{flux_server}/decode/flux-tiny", z, do_scaling=False,
-                        output_type="pt", return_type="pt")  # fmt: skip
+    got = remote_decode(
+        f"{flux_server}/decode/flux-tiny", z, do_scaling=False, output_type="pt", return_type="pt"
+    )
     with torch.no_grad():
         expected = oracle.decode(z).sample
     assert got.shape == expected.shape and got.dtype == torch.float32
@@ -80,16 +98,27 @@ def test_remote_decode_pt_is_the_decoder_output(flux_server, oracle):
 
 def test_remote_decode_pt_partial_postprocess(flux_server, oracle):
     z = _latent(1, 16, 8, 8)
-    got = remote_decode(f"{flux_server}/decode/flux-tiny", z, do_scaling=False,
-                        output_type="pt", partial_postprocess=True, return_type="pt")  # fmt: skip
+    got = remote_decode(
+        f"{flux_server}/decode/flux-tiny",
+        z,
+        do_scaling=False,
+        output_type="pt",
+        partial_postprocess=True,
+        return_type="pt",
+    )
     assert got.dtype == torch.uint8 and got.shape == (1, 64, 64, 3)
     assert np.abs(got.numpy().astype(int) - _expected_uint8(oracle, z).astype(int)).max() <= 1
 
 
 def test_remote_decode_with_processor_gets_unit_tensor(flux_server, oracle):
     z = _latent(1, 16, 8, 8)
-    images = remote_decode(f"{flux_server}/decode/flux-tiny", z, do_scaling=False,
-                           processor=VaeImageProcessor(), output_type="pil")  # fmt: skip
+    images = remote_decode(
+        f"{flux_server}/decode/flux-tiny",
+        z,
+        do_scaling=False,
+        processor=VaeImageProcessor(),
+        output_type="pil",
+    )
     assert len(images) == 1 and images[0].size == (64, 64)
     diff = np.asarray(images[0]).astype(int) - _expected_uint8(oracle, z)[0].astype(int)
     assert np.abs(diff).max() <= 1
@@ -98,9 +127,16 @@ def test_remote_decode_with_processor_gets_unit_tensor(flux_server, oracle):
 def test_remote_decode_packed_latents_with_factors(flux_server, oracle):
     z = _latent(1, 16, 8, 12)
     packed = z.view(1, 16, 4, 2, 6, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, 24, 64)
-    got = remote_decode(f"{flux_server}/decode/flux-tiny", packed, scaling_factor=0.3611,
-                        shift_factor=0.1159, output_type="pt", return_type="pt",
-                        height=64, width=96)  # fmt: skip
+    got = remote_decode(
+        f"{flux_server}/decode/flux-tiny",
+        packed,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        output_type="pt",
+        return_type="pt",
+        height=64,
+        width=96,
+    )
     with torch.no_grad():
         expected = oracle.decode(z / 0.3611 + 0.1159).sample
     assert cosine(got, expected) >= 0.99999
@@ -132,25 +168,42 @@ def _post(url: str, body: bytes, params=None, headers=None) -> requests.Response
 
 def test_webp_via_accept_and_other_bodies(flux_server):
     z = _latent(1, 16, 8, 8)
-    raw = _post(f"{flux_server}/decode", z.numpy().tobytes(),
-                {"shape": "[1,16,8,8]", "model": "flux-tiny"}, {"Accept": "image/webp"})  # fmt: skip
+    raw = _post(
+        f"{flux_server}/decode",
+        z.numpy().tobytes(),
+        {"shape": "[1,16,8,8]", "model": "flux-tiny"},
+        {"Accept": "image/webp"},
+    )
     assert raw.status_code == 200 and raw.headers["content-type"] == "image/webp"
     assert Image.open(io.BytesIO(raw.content)).format == "WEBP"
-    st = _post(f"{flux_server}/decode/flux-tiny", save_safetensors({"z": z[0]}),
-               {"output_type": "pil", "image_format": "png"},
-               {"Content-Type": "application/x-safetensors"})  # fmt: skip
+    st = _post(
+        f"{flux_server}/decode/flux-tiny",
+        save_safetensors({"z": z[0]}),
+        {"output_type": "pil", "image_format": "png"},
+        {"Content-Type": "application/x-safetensors"},
+    )
     buf = io.BytesIO()
     np.save(buf, z.numpy())
-    npy = _post(f"{flux_server}/decode/flux-tiny", buf.getvalue(), {"image_format": "png"},
-                {"Content-Type": "application/x-npy"})  # fmt: skip
+    npy = _post(
+        f"{flux_server}/decode/flux-tiny",
+        buf.getvalue(),
+        {"image_format": "png"},
+        {"Content-Type": "application/x-npy"},
+    )
     assert st.status_code == npy.status_code == 200
-    assert np.array_equal(np.asarray(Image.open(io.BytesIO(st.content))),
-                          np.asarray(Image.open(io.BytesIO(npy.content))))  # fmt: skip
+    assert np.array_equal(
+        np.asarray(Image.open(io.BytesIO(st.content))),
+        np.asarray(Image.open(io.BytesIO(npy.content))),
+    )
 
 
 def test_every_response_has_timing_and_request_id(flux_server):
-    ok = _post(f"{flux_server}/decode/flux-tiny", _latent(1, 16, 4, 4).numpy().tobytes(),
-               {"shape": [1, 16, 4, 4]}, {"X-Request-Id": "sampler-42"})  # fmt: skip
+    ok = _post(
+        f"{flux_server}/decode/flux-tiny",
+        _latent(1, 16, 4, 4).numpy().tobytes(),
+        {"shape": [1, 16, 4, 4]},
+        {"X-Request-Id": "sampler-42"},
+    )
     bad = _post(f"{flux_server}/decode/flux-tiny", b"xx", {"shape": [1, 16, 4, 4]})
     for r in (ok, bad, requests.get(f"{flux_server}/healthz")):
         assert "X-Request-Id" in r.headers and "total;dur=" in r.headers["Server-Timing"]
@@ -166,31 +219,119 @@ BAD_INPUTS = [
     ("no shape", "/decode/flux-tiny", F32, {}, {}, 422, "shape"),
     ("shape garbage", "/decode/flux-tiny", F32, {"shape": "abc"}, {}, 422, "shape"),
     ("shape negative", "/decode/flux-tiny", F32, {"shape": [1, 16, -4, 4]}, {}, 422, "shape"),
-    ("dtype", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "dtype": "int64"}, {}, 422, "dtype"),  # noqa: E501
+    (
+        "dtype",
+        "/decode/flux-tiny",
+        F32,
+        {"shape": [1, 16, 4, 4], "dtype": "int64"},
+        {},
+        422,
+        "dtype",
+    ),
     ("channels", "/decode/flux-tiny", F32, {"shape": [1, 4, 8, 8]}, {}, 422, "channels"),
-    ("nan", "/decode/flux-tiny", np.full((1, 16, 4, 4), np.nan, np.float32).tobytes(),
-     {"shape": [1, 16, 4, 4]}, {}, 422, "NaN"),
+    (
+        "nan",
+        "/decode/flux-tiny",
+        np.full((1, 16, 4, 4), np.nan, np.float32).tobytes(),
+        {"shape": [1, 16, 4, 4]},
+        {},
+        422,
+        "NaN",
+    ),
     ("unknown model", "/decode/nope", F32, {"shape": [1, 16, 4, 4]}, {}, 404, "not found"),
     ("traversal", "/decode/..%2F..%2Fetc", F32, {"shape": [1, 16, 4, 4]}, {}, 404, ""),
-    ("content type", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4]},
-     {"Content-Type": "image/png"}, 415, "Content-Type"),
-    ("safetensors", "/decode/flux-tiny", b"garbage!", {},
-     {"Content-Type": "application/x-safetensors"}, 400, "safetensors"),
-    ("npy", "/decode/flux-tiny", b"\x93NUMPY garbage", {},
-     {"Content-Type": "application/x-npy"}, 400, ".npy"),
-    ("output_type", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "output_type": "gif"}, {},
-     422, "output_type"),
-    ("mp4 on image model", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "output_type": "mp4"},
-     {}, 422, "video"),
-    ("image of a batch", "/decode/flux-tiny", F32 * 2, {"shape": [2, 16, 4, 4]}, {}, 422, "one image"),  # noqa: E501
-    ("packed mismatch", "/decode/flux-tiny", F32, {"shape": [1, 4, 64], "height": 64, "width": 64},
-     {}, 422, "packed"),
-    ("bool", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "do_scaling": "maybe"}, {}, 422, "boolean"),  # noqa: E501
-    ("too many pixels", "/decode/flux-tiny", np.zeros((1, 16, 80, 80), np.float32).tobytes(),
-     {"shape": [1, 16, 80, 80]}, {}, 413, "pixels"),
-    ("body too large", "/decode/flux-tiny", b"\0" * (2 << 20), {"shape": [1, 16, 4, 4]}, {}, 413, "limit"),  # noqa: E501
+    (
+        "content type",
+        "/decode/flux-tiny",
+        F32,
+        {"shape": [1, 16, 4, 4]},
+        {"Content-Type": "image/png"},
+        415,
+        "Content-Type",
+    ),
+    (
+        "safetensors",
+        "/decode/flux-tiny",
+        b"garbage!",
+        {},
+        {"Content-Type": "application/x-safetensors"},
+        400,
+        "safetensors",
+    ),
+    (
+        "npy",
+        "/decode/flux-tiny",
+        b"\x93NUMPY garbage",
+        {},
+        {"Content-Type": "application/x-npy"},
+        400,
+        ".npy",
+    ),
+    (
+        "output_type",
+        "/decode/flux-tiny",
+        F32,
+        {"shape": [1, 16, 4, 4], "output_type": "gif"},
+        {},
+        422,
+        "output_type",
+    ),
+    (
+        "mp4 on image model",
+        "/decode/flux-tiny",
+        F32,
+        {"shape": [1, 16, 4, 4], "output_type": "mp4"},
+        {},
+        422,
+        "video",
+    ),
+    (
+        "image of a batch",
+        "/decode/flux-tiny",
+        F32 * 2,
+        {"shape": [2, 16, 4, 4]},
+        {},
+        422,
+        "one image",
+    ),
+    (
+        "packed mismatch",
+        "/decode/flux-tiny",
+        F32,
+        {"shape": [1, 4, 64], "height": 64, "width": 64},
+        {},
+        422,
+        "packed",
+    ),
+    (
+        "bool",
+        "/decode/flux-tiny",
+        F32,
+        {"shape": [1, 16, 4, 4], "do_scaling": "maybe"},
+        {},
+        422,
+        "boolean",
+    ),
+    (
+        "too many pixels",
+        "/decode/flux-tiny",
+        np.zeros((1, 16, 80, 80), np.float32).tobytes(),
+        {"shape": [1, 16, 80, 80]},
+        {},
+        413,
+        "pixels",
+    ),
+    (
+        "body too large",
+        "/decode/flux-tiny",
+        b"\0" * (2 << 20),
+        {"shape": [1, 16, 4, 4]},
+        {},
+        413,
+        "limit",
+    ),
     ("5-D on image model", "/decode/flux-tiny", F32, {"shape": [1, 16, 1, 4, 4]}, {}, 422, "video"),
-]  # fmt: skip
+]
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +363,9 @@ def test_models_readyz_and_metrics(flux_server):
         'vae_parity_cosine{model="flux-tiny"} 1.0',
         'vae_fallback_active{model="flux-tiny"} 0.0',
         'vae_model_load_seconds{model="flux-tiny"}',
-        "vae_queue_depth", "vae_inflight",
-    ):  # fmt: skip
+        "vae_queue_depth",
+        "vae_inflight",
+    ):
         assert needle in text, needle
 
 

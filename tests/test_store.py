@@ -15,9 +15,16 @@ from app.store import StoreError, check_name, load_model, sha256_file
 from tests.conftest import ROOT
 
 # 32 groups: BFL's code hard-codes them, so a single file cannot say otherwise
-CFG = dict(latent_channels=16, block_out_channels=(32, 64, 64), layers_per_block=1,
-           norm_num_groups=32, use_quant_conv=False, use_post_quant_conv=False,
-           down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3)  # fmt: skip
+CFG = dict(
+    latent_channels=16,
+    block_out_channels=(32, 64, 64),
+    layers_per_block=1,
+    norm_num_groups=32,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    down_block_types=("DownEncoderBlock2D",) * 3,
+    up_block_types=("UpDecoderBlock2D",) * 3,
+)
 
 
 def _bfl_name(key: str, n_up: int) -> str:
@@ -34,7 +41,7 @@ def _bfl_name(key: str, n_up: int) -> str:
     }
     for ours, bfl in fixed.items():
         if key.startswith(ours + "."):
-            return bfl + key[len(ours):]
+            return bfl + key[len(ours) :]
     parts = key.split(".")
     if parts[1] == "up_blocks":
         i = n_up - 1 - int(parts[2])
@@ -63,15 +70,26 @@ def checkpoints(tmp_path_factory):
 
 
 def _app(*args: str, store) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app", *args, "--models-dir", str(store)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args, "--models-dir", str(store)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_bfl_layout_imports_identically_to_diffusers_folder(checkpoints, tmp_path):
     root, ref = checkpoints
-    assert _app("import", "flux", str(root / "pipeline"), "--name", "from-folder",
-                store=tmp_path).returncode == 0  # fmt: skip
-    done = _app("import", "flux", str(root / "ae.safetensors"), "--name", "from-bfl", store=tmp_path)  # noqa: E501
+    assert (
+        _app(
+            "import", "flux", str(root / "pipeline"), "--name", "from-folder", store=tmp_path
+        ).returncode
+        == 0
+    )
+    done = _app(
+        "import", "flux", str(root / "ae.safetensors"), "--name", "from-bfl", store=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     _, a = load_model(tmp_path, "from-folder")
     _, b = load_model(tmp_path, "from-bfl")
@@ -86,8 +104,16 @@ def test_bfl_layout_imports_identically_to_diffusers_folder(checkpoints, tmp_pat
 
 def test_manifest_records_family_dtype_source_and_hash(checkpoints, tmp_path):
     root, _ = checkpoints
-    done = _app("import", "flux", str(root / "ae.safetensors"), "--name", "half",
-                "--dtype", "bfloat16", store=tmp_path)  # fmt: skip
+    done = _app(
+        "import",
+        "flux",
+        str(root / "ae.safetensors"),
+        "--name",
+        "half",
+        "--dtype",
+        "bfloat16",
+        store=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     manifest = json.loads((tmp_path / "half" / "manifest.json").read_text())
     assert manifest["family"] == "flux" and manifest["dtype"] == "bfloat16"
@@ -101,8 +127,10 @@ def test_bake_is_deterministic(tmp_path):
     for store in (tmp_path / "a", tmp_path / "b"):
         done = _app("bake", "--synthetic", "--only", "flux1-synthetic", store=store)
         assert done.returncode == 0, done.stderr
-    sums = [json.loads((tmp_path / s / "flux1-synthetic" / "manifest.json").read_text())["sha256"]
-            for s in ("a", "b")]  # fmt: skip
+    sums = [
+        json.loads((tmp_path / s / "flux1-synthetic" / "manifest.json").read_text())["sha256"]
+        for s in ("a", "b")
+    ]
     assert sums[0] == sums[1]
     _, decoder = load_model(tmp_path / "a", "flux1-synthetic")
     assert decoder.config["block_out_channels"] == [128, 256, 512, 512]  # FLUX.1 at full size
@@ -117,5 +145,7 @@ def test_bad_entries_are_named(tmp_path, checkpoints):
     for bad in ("../etc", "a/b", "", ".hidden"):
         with pytest.raises(StoreError):
             check_name(bad)
-    done = _app("import", "flux", str(tmp_path / "missing.safetensors"), "--name", "x", store=tmp_path)  # noqa: E501
+    done = _app(
+        "import", "flux", str(tmp_path / "missing.safetensors"), "--name", "x", store=tmp_path
+    )
     assert done.returncode != 0

@@ -16,6 +16,7 @@ The service never needs to know which family it is serving.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -39,6 +40,7 @@ class VAEDecoder(nn.Module, ABC):
     family: ClassVar[str]
     output_space: ClassVar[OutputSpace] = "signed"
     is_video: ClassVar[bool] = False
+    channels_last: ClassVar[bool] = False  # 4-D conv decoders opt in to channels_last
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
@@ -87,6 +89,12 @@ class VAEDecoder(nn.Module, ABC):
         ``options`` carries per-request knobs a family understands (for
         example ``timestep`` and ``seed`` for LTX); unknown ones are ignored.
         """
+
+    def iter_decode(
+        self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any
+    ) -> Iterator[Tensor]:
+        """``decode`` in frame chunks ``[B,3,t,H,W]``, in order (video decoders stream)."""
+        yield self.decode(z, timer, **options)
 
     def forward(self, z: Tensor) -> Tensor:
         return self.decode(z)

@@ -43,6 +43,12 @@ FLUX1_CONFIG: dict[str, Any] = {
 }
 
 
+def _band(x: Tensor, band_bytes: int) -> int:
+    """Rows per band so one band's float32 temporaries take about ``band_bytes``."""
+    row_bytes = x.shape[0] * x.shape[1] * x.shape[3] * 4
+    return max(4, band_bytes // max(row_bytes, 1))
+
+
 class ResnetBlock(nn.Module):
     """x + conv2(silu(norm2(conv1(silu(norm1(x)))))), 1x1 shortcut when widths differ."""
 
@@ -54,11 +60,21 @@ class ResnetBlock(nn.Module):
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
         self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, band_bytes: int = 0) -> Tensor:
+        if band_bytes:
+            return self._forward_banded(x, band_bytes)
         h = self.conv1(ops.group_norm_silu(self.norm1, x))
         h = self.conv2(ops.group_norm_silu(self.norm2, h))
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
         return skip + h
+
+    def _forward_banded(self, x: Tensor, band_bytes: int) -> Tensor:
+        """Same result; conv2 accumulates into the skip in place (x is consumed)."""
+        h = ops.norm_silu_conv_banded(x, self.norm1, self.conv1, _band(x, band_bytes))
+        out = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        del x
+        band = _band(h, band_bytes)
+        return ops.norm_silu_conv_banded(h, self.norm2, self.conv2, band, out=out, accumulate=True)
 
 
 class SpatialAttention(nn.Module):
@@ -87,11 +103,11 @@ class MidBlock(nn.Module):
         self.resnets = nn.ModuleList([ResnetBlock(channels, channels, groups) for _ in range(2)])
         self.attentions = nn.ModuleList([SpatialAttention(channels, groups)] if attention else [])
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.resnets[0](x)
+    def forward(self, x: Tensor, band_bytes: int = 0) -> Tensor:
+        x = self.resnets[0](x, band_bytes)
         for attn in self.attentions:
             x = attn(x)
-        return self.resnets[1](x)
+        return self.resnets[1](x, band_bytes)
 
 
 class Upsample(nn.Module):
@@ -118,11 +134,16 @@ class UpBlock(nn.Module):
         )
         self.upsamplers = nn.ModuleList([Upsample(cout)] if upsample else [])
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, band_bytes: int = 0) -> Tensor:
         for resnet in self.resnets:
-            x = resnet(x)
+            x = resnet(x, band_bytes)
         for up in self.upsamplers:
-            x = up(x)
+            if band_bytes and up.phase_weights is not None:
+                x = ops.upsample_conv_banded(
+                    x, up.phase_weights, up.conv.bias, _band(x, band_bytes)
+                )
+            else:
+                x = up(x)
         return x
 
 
@@ -138,6 +159,7 @@ class LatentStats(nn.Module):
 class Decoder(VAEDecoder):
     family = "flux"
     output_space = "signed"
+    channels_last = True
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**FLUX1_CONFIG, **config})
@@ -160,6 +182,7 @@ class Decoder(VAEDecoder):
         self.conv_norm_out = nn.GroupNorm(groups, widths[-1], eps=GN_EPS)
         self.conv_out = nn.Conv2d(widths[-1], cfg["out_channels"], 3, padding=1)
         self.bn = LatentStats(4 * latent) if cfg["latent_bn"] else None
+        self.band_bytes = 0  # fast path: run full-resolution layers in row bands of this size
 
     # --- geometry -------------------------------------------------------
     @property
@@ -177,7 +200,9 @@ class Decoder(VAEDecoder):
             return z / self.config["scaling_factor"] + (self.config.get("shift_factor") or 0.0)
         std = torch.sqrt(self.bn.running_var + self.config.get("batch_norm_eps", 1e-4))
         patched = ops.patchify2x2(z)
-        patched = patched * std.view(1, -1, 1, 1).to(z) + self.bn.running_mean.view(1, -1, 1, 1).to(z)
+        patched = patched * std.view(1, -1, 1, 1).to(z) + self.bn.running_mean.view(1, -1, 1, 1).to(
+            z
+        )
         return ops.unpatchify2x2(patched)
 
     def decode(self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any) -> Tensor:
@@ -186,21 +211,33 @@ class Decoder(VAEDecoder):
             if self.post_quant_conv is not None:
                 z = self.post_quant_conv(z)
             x = self.conv_in(z)
+        band = self.band_bytes
         with timer.phase("mid"):
-            x = self.mid_block(x)
+            x = self.mid_block(x, band)
         for i, block in enumerate(self.up_blocks):
             with timer.phase(f"up_{i}"):
-                x = block(x)
+                x = block(x, band)
         with timer.phase("conv_out"):
-            x = self.conv_out(ops.group_norm_silu(self.conv_norm_out, x))
-        return x
+            if band:
+                return ops.norm_silu_conv_banded(
+                    x, self.conv_norm_out, self.conv_out, _band(x, band)
+                )
+            return self.conv_out(ops.group_norm_silu(self.conv_norm_out, x))
 
     # --- fast path --------------------------------------------------------
+    def set_banded(self, band_bytes: int) -> None:
+        """Row-band execution with exact global GroupNorm statistics (0 = off)."""
+        self.band_bytes = band_bytes
+        if band_bytes:
+            self.set_upsample_rewrite(True)
+
     def set_upsample_rewrite(self, enabled: bool) -> None:
         """Nearest-2x + 3x3 conv as four 2x2 convs on the low-res grid (exact, 4/9 the FLOPs)."""
         for block in self.up_blocks:
             for up in block.upsamplers:
-                up.phase_weights = ops.upsample_conv_phase_weights(up.conv.weight) if enabled else None
+                up.phase_weights = (
+                    ops.upsample_conv_phase_weights(up.conv.weight) if enabled else None
+                )
 
 
 # --- checkpoints ------------------------------------------------------------
@@ -235,7 +272,9 @@ def _convert_diffusers_folder(folder: Path) -> tuple[dict[str, Any], dict[str, T
     raw = json.loads((folder / "config.json").read_text())
     state = ops.read_safetensors_folder(folder)
     config = {key: raw[key] for key in FLUX1_CONFIG if key in raw}
-    config["block_out_channels"] = raw.get("decoder_block_out_channels") or raw["block_out_channels"]
+    config["block_out_channels"] = (
+        raw.get("decoder_block_out_channels") or raw["block_out_channels"]
+    )
     config["use_post_quant_conv"] = "post_quant_conv.weight" in state
     config["latent_bn"] = "bn.running_mean" in state
     if config["latent_bn"]:
@@ -334,8 +373,12 @@ def init_synthetic(decoder: Decoder, generator: torch.Generator) -> None:
             fan_in = param[0].numel()
             param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
     if decoder.bn is not None:  # FLUX.2: non-trivial latent statistics, like trained ones
-        decoder.bn.running_mean.copy_(0.5 * torch.randn(decoder.bn.running_mean.shape, generator=generator))
-        decoder.bn.running_var.copy_(0.5 + 1.5 * torch.rand(decoder.bn.running_var.shape, generator=generator))
+        decoder.bn.running_mean.copy_(
+            0.5 * torch.randn(decoder.bn.running_mean.shape, generator=generator)
+        )
+        decoder.bn.running_var.copy_(
+            0.5 + 1.5 * torch.rand(decoder.bn.running_var.shape, generator=generator)
+        )
     for module in decoder.modules():
         if isinstance(module, ResnetBlock):
             module.conv2.weight.mul_(0.1)

@@ -174,13 +174,18 @@ def crossfade(a: Tensor, b: Tensor, extent: int, dim: int) -> Tensor:
     extent = min(a.shape[dim], b.shape[dim], extent)
     if extent == 0:
         return b
-    shape = [1] * b.ndim
-    shape[dim] = extent
-    w = (torch.arange(extent, device=b.device, dtype=b.dtype) / extent).view(shape)
+    w = _ramp(extent, b, dim)
     mixed = a.narrow(dim, a.shape[dim] - extent, extent) * (1 - w) + b.narrow(dim, 0, extent) * w
     if extent == b.shape[dim]:
         return mixed
     return torch.cat((mixed, b.narrow(dim, extent, b.shape[dim] - extent)), dim=dim)
+
+
+def _ramp(extent: int, like: Tensor, dim: int) -> Tensor:
+    """``k / extent`` for ``k < extent``, shaped to broadcast along ``dim``."""
+    shape = [1] * like.ndim
+    shape[dim] = extent
+    return (torch.arange(extent, device=like.device, dtype=like.dtype) / extent).view(shape)
 
 
 def stitch_tiles(
@@ -189,24 +194,35 @@ def stitch_tiles(
     overlaps: tuple[list[int], list[int]],
     size: tuple[int, int],
 ) -> Tensor:
-    """Blend a grid of tiles ``[..., h, w]`` into one canvas of ``size`` pixels.
+    """Blend a grid of equal tiles ``[..., th, tw]`` into a canvas of ``size`` pixels.
 
-    Each tile is faded in from the ORIGINAL tile above, then from the original
-    tile to its left, and its trailing overlap is dropped (the next tile owns
-    it), so every pixel is written once.
+    The reference's order: each tile is faded in from the ORIGINAL tile above,
+    then from the original tile to its left, and its trailing overlap is
+    dropped (the next tile owns it). Done in place on the canvas, touching
+    only the kept part of each tile, with the reference's arithmetic.
     """
     (ys, xs), (yo, xo) = starts, overlaps
     first = tiles[0][0]
+    th, tw = first.shape[-2:]
     canvas = first.new_empty(first.shape[:-2] + size)
     for i, row in enumerate(tiles):
+        h = th - (yo[i] if i < len(tiles) - 1 else 0)
         for j, tile in enumerate(row):
+            w = tw - (xo[j] if j < len(row) - 1 else 0)
+            region = canvas[..., ys[i] : ys[i] + h, xs[j] : xs[j] + w]
+            region.copy_(tile[..., :h, :w])
             if i > 0:
-                tile = crossfade(tiles[i - 1][j], tile, yo[i - 1], dim=-2)
+                e = min(th, yo[i - 1])
+                k = min(e, h)
+                above = tiles[i - 1][j][..., th - e : th - e + k, :w]
+                wy = _ramp(e, tile, -2)[..., :k, :]
+                region[..., :k, :] = above * (1 - wy) + region[..., :k, :] * wy
             if j > 0:
-                tile = crossfade(row[j - 1], tile, xo[j - 1], dim=-1)
-            h = tile.shape[-2] - (yo[i] if i < len(tiles) - 1 else 0)
-            w = tile.shape[-1] - (xo[j] if j < len(row) - 1 else 0)
-            canvas[..., ys[i] : ys[i] + h, xs[j] : xs[j] + w] = tile[..., :h, :w]
+                e = min(tw, xo[j - 1])
+                k = min(e, w)
+                left = row[j - 1][..., :h, tw - e : tw - e + k]
+                wx = _ramp(e, tile, -1)[..., :k]
+                region[..., :k] = left * (1 - wx) + region[..., :k] * wx
     return canvas
 
 
@@ -422,6 +438,12 @@ class Decoder(VAEDecoder):
         std = torch.tensor(self.config["latents_std"], device=z.device).view(shape)
         return z * std + mean
 
+    def to(self, *args: Any, **kwargs: Any) -> Decoder:
+        # channels_last means nothing to a token decoder, and the 5-D
+        # post_quant_conv weight rejects it: ignore the request
+        kwargs.pop("memory_format", None)
+        return super().to(*args, **kwargs)
+
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Decoder:
         # Casting to a lower dtype keeps the norms and layer scales in float32,
         # as the reference pins them (`_keep_in_fp32_modules`).
@@ -522,8 +544,8 @@ class Decoder(VAEDecoder):
         b, c, t, h, w = z.shape
         cells = t * h * w
         with timer.phase("embed"):
-            x = z.permute(0, 2, 3, 4, 1).reshape(b, cells, c)
-            x = F.linear(x, self.post_quant_conv.weight.flatten(1), self.post_quant_conv.bias)
+            # the 1x1x1 conv as a conv (not a linear): the same rounding as the reference in bf16
+            x = self.post_quant_conv(z).permute(0, 2, 3, 4, 1).reshape(b, cells, c)
             x = dec.proj_in(x)
             registers = dec.register_tokens.to(x.dtype).expand(b, -1, -1)
             # the residual stream is float32, as the reference's layer scales make it

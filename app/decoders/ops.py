@@ -72,17 +72,112 @@ def upsample_conv_phase_weights(weight: Tensor) -> Tensor:
 
 def upsample2x_conv3x3_phases(x: Tensor, phase_weights: Tensor, bias: Tensor | None) -> Tensor:
     """Exactly conv3x3(nearest2x(x)), computed as four 2x2 convs on the low-res grid."""
-    b, _, h, w = x.shape
-    xp = F.pad(x, (1, 1, 1, 1))
-    cout = phase_weights.shape[2]
-    channels_last = x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 1
-    out = x.new_empty((b, cout, h, 2, w, 2))
+    return upsample_phases_padded(F.pad(x, (1, 1, 1, 1)), phase_weights, bias)
+
+
+def upsample_phases_padded(xp: Tensor, phase_weights: Tensor, bias: Tensor | None) -> Tensor:
+    """``xp``: low-res rows with one row/column of context (or zero pad) on every side."""
+    b, _, hp, wp = xp.shape
+    h, w, cout = hp - 2, wp - 2, phase_weights.shape[2]
+    out = xp.new_empty((b, cout, h, 2, w, 2))
     for a in range(2):
         for c in range(2):
             part = F.conv2d(xp[:, :, a : a + h + 1, c : c + w + 1], phase_weights[a, c], bias)
             out[:, :, :, a, :, c] = part
     out = out.view(b, cout, 2 * h, 2 * w)
-    return out.contiguous(memory_format=torch.channels_last) if channels_last else out
+    if xp.is_contiguous(memory_format=torch.channels_last) and xp.shape[1] > 1:
+        out = out.contiguous(memory_format=torch.channels_last)
+    return out
+
+
+# --- banded execution: full-resolution layers a band of rows at a time ---------------
+#
+# GroupNorm statistics are global, so a decode cut into tiles either blends seams or
+# gathers the statistics exactly. The banded path gathers them (one read of the input),
+# then runs norm -> SiLU -> conv a band of rows at a time with a one-row halo, writing
+# straight into the output: the full-size normalized / activated / upsampled tensors
+# that a layer-at-a-time decode materializes never exist.
+
+
+def group_norm_affine(x: Tensor, norm: nn.GroupNorm, band: int) -> tuple[Tensor, Tensor]:
+    """Per-(batch, channel) float32 scale and shift equal to ``norm`` over all of ``x``."""
+    b, c, h, w = x.shape
+    g = norm.num_groups
+    s1 = torch.zeros(b, c, dtype=torch.float64, device=x.device)
+    s2 = torch.zeros_like(s1)
+    for r0 in range(0, h, band):
+        xb = x[:, :, r0 : r0 + band].float()
+        s1 += xb.sum(dim=(2, 3), dtype=torch.float64)
+        s2 += xb.square().sum(dim=(2, 3), dtype=torch.float64)
+    n = (c // g) * h * w
+    mean = s1.view(b, g, -1).sum(-1) / n
+    var = (s2.view(b, g, -1).sum(-1) / n - mean.square()).clamp_min(0)
+    rstd = torch.rsqrt(var + norm.eps)
+    rstd_c = rstd.repeat_interleave(c // g, dim=1).float()
+    mean_c = mean.repeat_interleave(c // g, dim=1).float()
+    scale = rstd_c * norm.weight.float()
+    shift = norm.bias.float() - mean_c * scale
+    return scale[:, :, None, None], shift[:, :, None, None]
+
+
+def _halo(x: Tensor, r0: int, r1: int, pad: int) -> tuple[Tensor, int, int]:
+    """Rows [r0-pad, r1+pad) of x clipped to the image, and the zero rows missing above/below."""
+    h = x.shape[2]
+    a, b = max(0, r0 - pad), min(h, r1 + pad)
+    return x[:, :, a:b], pad - (r0 - a), pad - (b - r1)
+
+
+def norm_silu_conv_banded(
+    x: Tensor,
+    norm: nn.GroupNorm,
+    conv: nn.Conv2d,
+    band: int,
+    out: Tensor | None = None,
+    accumulate: bool = False,
+) -> Tensor:
+    """``out (+)= conv(silu(norm(x)))``, a band of rows at a time (norm in float32)."""
+    scale, shift = group_norm_affine(x, norm, band)
+    bsz, _, h, w = x.shape
+    pad = conv.kernel_size[0] // 2
+    if out is None:
+        out = torch.empty(
+            (bsz, conv.out_channels, h, w), dtype=x.dtype, device=x.device, memory_format=_format(x)
+        )
+    for r0 in range(0, h, band):
+        r1 = min(h, r0 + band)
+        rows, top, bottom = _halo(x, r0, r1, pad)
+        act = F.silu(torch.addcmul(shift, rows.float(), scale), inplace=True).to(x.dtype)
+        y = F.conv2d(F.pad(act, (pad, pad, top, bottom)), conv.weight, conv.bias)
+        if accumulate:
+            out[:, :, r0:r1] += y
+        else:
+            out[:, :, r0:r1] = y
+    return out
+
+
+def upsample_conv_banded(
+    x: Tensor, phase_weights: Tensor, bias: Tensor | None, band: int
+) -> Tensor:
+    """conv3x3(nearest2x(x)) a band of low-res rows at a time, via the 4-phase rewrite."""
+    bsz, _, h, w = x.shape
+    out = torch.empty(
+        (bsz, phase_weights.shape[2], 2 * h, 2 * w),
+        dtype=x.dtype,
+        device=x.device,
+        memory_format=_format(x),
+    )
+    for r0 in range(0, h, band):
+        r1 = min(h, r0 + band)
+        rows, top, bottom = _halo(x, r0, r1, 1)
+        out[:, :, 2 * r0 : 2 * r1] = upsample_phases_padded(
+            F.pad(rows, (1, 1, top, bottom)), phase_weights, bias
+        )
+    return out
+
+
+def _format(x: Tensor) -> torch.memory_format:
+    cl = x.is_contiguous(memory_format=torch.channels_last) and x.shape[1] > 1
+    return torch.channels_last if cl else torch.contiguous_format
 
 
 def read_safetensors_folder(folder: Path) -> dict[str, Tensor]:

@@ -112,6 +112,7 @@ class Decoder(VAEDecoder):
 
     family = "taesd"
     output_space = "unit"
+    channels_last = True
 
     def __init__(self, config: dict[str, Any]) -> None:
         cfg = normalize_config(config)

@@ -1,0 +1,1 @@
+"""Benchmarks: the service's decoders side by side with diffusers, same weights, same process."""

@@ -1,0 +1,27 @@
+"""python -m bench FAMILY [options]: see each bench module's docstring."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {"flux": "bench.flux"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench")
+    sub = parser.add_subparsers(dest="family", required=True)
+    modules = {}
+    for name, path in BENCHES.items():
+        try:
+            modules[name] = importlib.import_module(path)
+        except ImportError:
+            continue
+        modules[name].add_arguments(
+            sub.add_parser(name, help=modules[name].__doc__.splitlines()[0])
+        )
+    args = parser.parse_args()
+    modules[args.family].run(args)
+
+
+main()

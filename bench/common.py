@@ -1,0 +1,89 @@
+"""Timing, GEMM rate, FLOP counting and peak-memory helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {gpu}, torch {torch.__version__}"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_it(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gemm_rate(dtype: torch.dtype, device: torch.device, n: int = 2048) -> float:
+    """Measured GEMM FLOP/s for square n x n matrices (the machine's practical ceiling)."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    seconds = time_it(lambda: a @ b, device, repeats=5, warmup=2)
+    return 2 * n**3 / seconds
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def peak_rss_child(module: str, args: list[str]) -> dict:
+    """Run ``python -m module args`` and return its JSON line (it reports its own peak)."""
+    out = subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's high-water mark (VmHWM) so the next peak is the decode's alone."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,168 @@
+"""FLUX.1 decoder: the service's paths vs diffusers' AutoencoderKL, same weights, same process.
+
+    python -m bench flux --size 512 [--repeats 3] [--memory]
+
+Prints one row per variant: median seconds, ratio against diffusers' best setting measured
+in this run, effective FLOP/s (the reference architecture's FLOPs over time) against the
+machine's GEMM rate measured in this run, and output cosine against the float32 CPU path.
+``--memory`` measures each variant's peak resident memory in a fresh subprocess.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+
+import torch
+from diffusers import AutoencoderKL
+
+from app.decoders import flux
+from app.decoders.ops import cosine
+from app.fastpath import make_fast
+from bench import common
+
+BAND_BYTES = 32 << 20
+
+
+def build(seed: int = 0) -> tuple[flux.Decoder, AutoencoderKL]:
+    ours = flux.Decoder(flux.FLUX1_CONFIG)
+    flux.init_synthetic(ours, torch.Generator().manual_seed(seed))
+    ours.eval().requires_grad_(False)
+    cfg = flux.FLUX1_CONFIG
+    n = len(cfg["block_out_channels"])
+    ref = AutoencoderKL(
+        latent_channels=16,
+        block_out_channels=tuple(cfg["block_out_channels"]),
+        layers_per_block=cfg["layers_per_block"],
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        down_block_types=("DownEncoderBlock2D",) * n,
+        up_block_types=("UpDecoderBlock2D",) * n,
+    )
+    ref.decoder.load_state_dict(ours.state_dict())
+    del ref.encoder  # decode only, as the service holds
+    return ours, ref.eval().requires_grad_(False)
+
+
+def variants(ours: flux.Decoder, ref: AutoencoderKL, device: torch.device) -> dict:
+    """name -> (callable taking a latent, device). Built lazily so --memory builds one."""
+
+    def peer(dtype: torch.dtype, channels_last: bool):
+        def make():
+            model = copy.deepcopy(ref).to(device=device, dtype=dtype)
+            if channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            return lambda z: model.decode(z.to(device, dtype)).sample
+
+        return make
+
+    def service(dtype: torch.dtype, banded: bool):
+        def make():
+            model = make_fast(ours, device, dtype)
+            if model is ours:
+                model = copy.deepcopy(ours).to(memory_format=torch.channels_last)
+                model.set_upsample_rewrite(True)
+            model.set_banded(BAND_BYTES if banded else 0)
+            return lambda z: model.decode(z.to(device))
+
+        return make
+
+    return {
+        "diffusers fp32": peer(torch.float32, False),
+        "diffusers fp32+CL": peer(torch.float32, True),
+        "diffusers bf16+CL": peer(torch.bfloat16, True),
+        "service exact fp32": lambda: lambda z: ours.decode(z),
+        "service fast fp32": service(torch.float32, False),
+        "service fast fp32 banded": service(torch.float32, True),
+        "service fast bf16 banded": service(torch.bfloat16, True),
+    }
+
+
+@torch.inference_mode()
+def run(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    ours, ref = build()
+    z = torch.randn(
+        1, 16, args.size // 8, args.size // 8, generator=torch.Generator().manual_seed(1)
+    )
+    if args.child:
+        return _child(args, ours, ref, z, device)
+    print(f"machine: {common.machine()}")
+    rates = {d: common.gemm_rate(d, device) for d in (torch.float32, torch.bfloat16)}
+    print(
+        "GEMM rate: " + ", ".join(f"{str(d)[6:]} {r / 1e9:.0f} GFLOP/s" for d, r in rates.items())
+    )
+    flops = common.count_flops(lambda: ours.decode(z))
+    print(
+        f"FLUX.1 decoder {args.size}x{args.size}: {flops / 1e12:.2f} TFLOP (reference architecture)"
+    )
+    exact = ours.decode(z)
+    rows = []
+    for name, make in variants(ours, ref, device).items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        fn = make()
+        seconds = common.time_it(lambda fn=fn: fn(z), device, args.repeats)
+        cos = cosine(fn(z).float(), exact)
+        dtype = torch.bfloat16 if "bf16" in name else torch.float32
+        rows.append([name, seconds, flops / seconds, flops / seconds / rates[dtype], cos])
+        print(f"  {name:28s} {seconds:7.2f} s  cos {cos:.6f}", flush=True)
+        del fn
+    _report(rows, args)
+    if args.memory:
+        _memory(args)
+
+
+def _report(rows: list, args: argparse.Namespace) -> None:
+    peers = [r for r in rows if r[0].startswith("diffusers")]
+    best = min(peers, key=lambda r: r[1]) if peers else None
+    print(
+        f"\n| variant | median s | vs {best[0] if best else '-'} | TFLOP/s | of GEMM rate | cos vs fp32 |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, seconds, rate, frac, cos in rows:
+        ratio = f"{best[1] / seconds:.2f}x" if best else "-"
+        print(f"| {name} | {seconds:.2f} | {ratio} | {rate / 1e12:.3f} | {frac:.0%} | {cos:.6f} |")
+
+
+def _memory(args: argparse.Namespace) -> None:
+    print(
+        f"\npeak memory of one {args.size}x{args.size} decode (fresh process each, weights excluded):"
+    )
+    print("| variant | peak MiB |")
+    print("|---|---|")
+    for name in variants(*build(), torch.device(args.device)):
+        if args.only and not any(o in name for o in args.only):
+            continue
+        child = ["flux", "--size", str(args.size), "--child", name, "--device", args.device]
+        if args.threads:
+            child += ["--threads", str(args.threads)]
+        result = common.peak_rss_child("bench", child)
+        print(f"| {name} | {result['peak_bytes'] / 2**20:.0f} |", flush=True)
+
+
+def _child(args, ours, ref, z, device) -> None:
+    fn = variants(ours, ref, device)[args.child]()
+    fn(z[..., :8, :8])  # build lazily-created state outside the measurement
+    common.reset_peak_rss()
+    base = common.rss_bytes()
+    fn(z)
+    print(json.dumps({"variant": args.child, "peak_bytes": common.peak_rss_bytes() - base}))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--only", nargs="*", help="substrings of variant names to run")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+
+
+if __name__ == "__main__":
+    sys.exit("run as: python -m bench flux ...")

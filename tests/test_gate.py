@@ -1,0 +1,66 @@
+"""The parity gate and the float32 CPU fallback, exercised on the CPU (bf16 fast path)."""
+
+from __future__ import annotations
+
+import requests
+import torch
+
+from app.config import Settings
+from app.engine import Engine, Scaling
+from app.metrics import Metrics
+from app.store import load_model
+from app.timing import PhaseTimer
+from tests.live import live_server
+
+
+def _engine(store, **settings) -> Engine:
+    engine = Engine(Settings(models_dir=store, models="flux-tiny", **settings), Metrics())
+    engine.load_all()
+    return engine
+
+
+def test_bf16_fast_path_passes_the_gate_and_stays_close(flux_store):
+    engine = _engine(flux_store, dtype="bfloat16")
+    model = engine.models["flux-tiny"]
+    assert not model.fallback and model.dtype == torch.bfloat16
+    assert 0.9999 <= model.parity_cosine < 1.0  # a real comparison, not a copy of itself
+    assert next(model.fast.parameters()).dtype == torch.bfloat16
+    z = torch.randn(1, 16, 8, 8)
+    fast = engine.decode(model, z, Scaling(), {}, PhaseTimer())
+    exact = model.reference.decode(z)
+    cos = torch.nn.functional.cosine_similarity(
+        fast.flatten().double(), exact.flatten().double(), 0
+    )
+    assert cos >= 0.9999 and fast.dtype == torch.float32
+
+
+def test_unreachable_threshold_falls_back_to_float32_cpu(flux_store):
+    engine = _engine(flux_store, dtype="bfloat16", parity_min_cos=1.01)
+    model = engine.models["flux-tiny"]
+    assert model.fallback and "parity cosine" in model.reason
+    assert model.active is model.reference
+    text = engine.metrics.exposition().decode()
+    assert 'vae_fallback_active{model="flux-tiny"} 1.0' in text
+    z = torch.randn(1, 16, 8, 8)
+    out = engine.decode(model, z, Scaling(), {}, PhaseTimer())
+    _, fresh = load_model(flux_store, "flux-tiny")
+    assert torch.equal(out, fresh.decode(z))  # the exact path, bit for bit
+    assert engine.ready
+
+
+def test_fallback_off_keeps_readyz_503_with_the_reason(flux_store):
+    settings = dict(dtype="bfloat16", parity_min_cos=1.01, fallback="off", models="flux-tiny")
+    with live_server(flux_store, **settings) as url:
+        ready = requests.get(f"{url}/readyz")
+        assert ready.status_code == 503
+        assert "parity cosine" in ready.json()["reason"] and "flux-tiny" in ready.json()["reason"]
+        models = requests.get(f"{url}/models").json()
+        assert "flux-tiny" in models["errors"]
+
+
+def test_fallback_cpu_is_reported_in_models(flux_store):
+    with live_server(flux_store, dtype="bfloat16", parity_min_cos=1.01, models="flux-tiny") as url:
+        assert requests.get(f"{url}/readyz").status_code == 200
+        (model,) = requests.get(f"{url}/models").json()["models"]
+        assert model["fallback"] is True and model["device"] == "cpu"
+        assert model["dtype"] == "float32" and "parity cosine" in model["fallback_reason"]
