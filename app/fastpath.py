@@ -33,17 +33,33 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device("cpu")
 
 
-def candidate_dtypes(setting: str, device: torch.device) -> list[torch.dtype]:
-    """Dtypes to try, fastest first; ``auto`` ends with float32, which always passes."""
+@dataclass(frozen=True)
+class Path:
+    """One way to serve a model: a dtype on the device, exact or with the fast-path tricks."""
+
+    dtype: torch.dtype
+    optimized: bool = True
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{'' if self.optimized else ' exact'}"
+
+
+EXACT = Path(torch.float32, optimized=False)
+
+
+def candidate_paths(setting: str, device: torch.device) -> list[Path]:
+    """Paths to try, fastest first. ``float32`` on the CPU is always the exact path."""
+    if setting == "float32" and device.type == "cpu":
+        return [EXACT]
     if setting != "auto":
-        return [DTYPES[setting]]
-    if device.type == "cuda":
-        return [torch.bfloat16, torch.float32]
-    return [torch.bfloat16, torch.float32] if _cpu_has_fast_bf16() else [torch.float32]
+        return [Path(DTYPES[setting])]
+    fast_bf16 = device.type == "cuda" or _cpu_has_fast_bf16()
+    return ([Path(torch.bfloat16)] if fast_bf16 else []) + [Path(torch.float32)]
 
 
 def _cpu_has_fast_bf16() -> bool:
-    """bf16 GEMMs beat float32 only with native bf16 dot products (AVX512-BF16 or AMX)."""
+    """bf16 GEMMs beat float32 only with native bf16 dot products (AVX512-BF16 or AMX);
+    without them (AVX2) oneDNN emulates bf16 and a decode is many times slower."""
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:
@@ -51,15 +67,15 @@ def _cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def make_fast(reference: VAEDecoder, device: torch.device, dtype: torch.dtype) -> VAEDecoder:
+def make_fast(reference: VAEDecoder, device: torch.device, path: Path) -> VAEDecoder:
     """A resident copy of the decoder for serving: device, dtype, channels_last, rewrites."""
-    if device.type == "cpu" and dtype == torch.float32:
+    if device.type == "cpu" and path == EXACT:
         return reference  # the exact path is served as it is
-    fast = copy.deepcopy(reference).to(device=device, dtype=dtype)
+    fast = copy.deepcopy(reference).to(device=device, dtype=path.dtype)
     if fast.channels_last:
         fast = fast.to(memory_format=torch.channels_last)
-    if hasattr(fast, "set_upsample_rewrite"):
-        fast.set_upsample_rewrite(True)
+    if path.optimized:
+        fast.optimize()
     return fast.eval().requires_grad_(False)
 
 

@@ -9,7 +9,8 @@ A plain MP4 needs its ``moov`` index written after the last frame into a seekabl
 rewritten to the front with ``+faststart``, a second pass), so nothing could be sent before
 the encode ends. A fragmented MP4 writes an empty ``moov`` up front and then self-contained
 ``moof``/``mdat`` fragments to a pipe: browsers, ffmpeg/ffprobe, PyAV and imageio all play
-and probe it, and the first bytes leave with the first keyframe.
+and probe it. The header leaves with the first frame, then one fragment per keyframe
+(every ``KEYFRAME_SECONDS`` of video).
 
 Codec: H.264 (libx264), yuv420p, ``crf`` 18 by default (visually lossless), ``preset``
 veryfast. yuv420p subsamples chroma 2x2, so a frame with an odd width or height is padded to
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 
 READ_SIZE = 1 << 16
+KEYFRAME_SECONDS = 2  # a keyframe (and so a new MP4 fragment on the wire) every 2 s of video
 
 
 def ffmpeg_exe() -> str:
@@ -68,6 +70,7 @@ def ffmpeg_args(width: int, height: int, fps: float, crf: int, preset: str) -> l
         "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", f"{fps:g}",
         "-i", "pipe:0", "-an",
         "-c:v", "libx264", "-pix_fmt", "yuv420p", "-preset", preset, "-crf", str(crf),
+        "-g", str(max(1, round(KEYFRAME_SECONDS * fps))),
         "-movflags", "frag_keyframe+empty_moov+default_base_moof",
         "-f", "mp4", "pipe:1",
     ]  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = {"flux": "bench.flux"}
+BENCHES = {"flux": "bench.flux", "minimax-h3": "bench.minimax_h3", "taesd": "bench.taesd"}
 
 
 def main() -> None:

@@ -64,3 +64,23 @@ def test_fallback_cpu_is_reported_in_models(flux_store):
         (model,) = requests.get(f"{url}/models").json()["models"]
         assert model["fallback"] is True and model["device"] == "cpu"
         assert model["dtype"] == "float32" and "parity cosine" in model["fallback_reason"]
+
+
+def test_auto_serves_a_gated_optimized_path(flux_store):
+    """auto: channels_last + upsample rewrite + banded GroupNorm, still within the gate."""
+    engine = _engine(flux_store, dtype="auto")
+    model = engine.models["flux-tiny"]
+    assert not model.fallback and model.fast is not model.reference
+    assert model.fast.band_bytes > 0
+    assert model.fast.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    assert model.parity_cosine >= 0.9999
+    z = torch.randn(1, 16, 9, 7)
+    out = engine.decode(model, z, Scaling(), {}, PhaseTimer())
+    exact = model.reference.decode(z)
+    assert (out - exact).abs().max() < 1e-3
+
+
+def test_float32_is_the_exact_path(flux_store):
+    engine = _engine(flux_store, dtype="float32")
+    model = engine.models["flux-tiny"]
+    assert model.fast is model.reference and model.parity_cosine == 1.0

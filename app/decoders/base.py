@@ -96,6 +96,9 @@ class VAEDecoder(nn.Module, ABC):
         """``decode`` in frame chunks ``[B,3,t,H,W]``, in order (video decoders stream)."""
         yield self.decode(z, timer, **options)
 
+    def optimize(self) -> None:
+        """Turn on this family's fast-path rewrites (on the served copy, behind the gate)."""
+
     def forward(self, z: Tensor) -> Tensor:
         return self.decode(z)
 

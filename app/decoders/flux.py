@@ -28,6 +28,7 @@ from app.decoders.base import VAEDecoder
 from app.timing import NULL_TIMER, PhaseTimer
 
 GN_EPS = 1e-6
+BAND_BYTES = 32 << 20  # float32 temporaries per row band on the fast path
 
 FLUX1_CONFIG: dict[str, Any] = {
     "latent_channels": 16,
@@ -225,6 +226,9 @@ class Decoder(VAEDecoder):
             return self.conv_out(ops.group_norm_silu(self.conv_norm_out, x))
 
     # --- fast path --------------------------------------------------------
+    def optimize(self) -> None:
+        self.set_banded(BAND_BYTES)
+
     def set_banded(self, band_bytes: int) -> None:
         """Row-band execution with exact global GroupNorm statistics (0 = off)."""
         self.band_bytes = band_bytes

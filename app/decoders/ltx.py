@@ -18,19 +18,21 @@ Streaming (``iter_decode``). Every layer is frame-local except the temporal conv
 decoder runs as a stream: latent frames go in ``chunk_frames`` at a time, each conv keeps the
 last two input frames of its stream (its "carry"), a non-causal conv holds back its newest
 output until it has seen the next frame (or the end), resnet and upsampler skips wait in a
-small FIFO for their delayed branch, and stages hand frames on in bounded pieces. Nothing is
-recomputed and nothing is approximated:
+small FIFO for their delayed branch, and stages hand frames on in bounded pieces. The temporal
+stream recomputes nothing and approximates nothing; spatial tiles do approximate:
   * temporal chunking is EXACT for causal and non-causal decoders alike (measured against the
-    one-pass decode: cosine 1.0, max-abs <= 1e-6 in float32; it is the same arithmetic on
-    shorter tensors). A non-causal decoder's first output waits for its temporal receptive
-    field (about conv_in + 2 per mid resnet latent frames), so its stream starts late; memory
-    stays bounded by the chunk (carries are 2 frames per conv, FIFOs <= 2 frames per resnet).
+    one-pass decode: cosine 1.0, max-abs <= 5e-6 in float32; it is the same arithmetic on
+    shorter tensors). Memory is bounded by the chunk, not the clip (carries are 2 frames per
+    conv, FIFOs <= 2 frames per resnet). A non-causal decoder's first output waits for its
+    temporal receptive field (about 1 + 2 per mid resnet latent frames), so its stream starts
+    late; a causal one yields as soon as a chunk is in.
   * spatial tiling (``tile=True``) is BLENDED: overlapping latent tiles, each with its own
     carried stream state, decoded separately and mixed with linear ramps across the overlap.
-    The decoder's spatial receptive field is wider than any practical overlap, so seams are
-    approximate: measured on trained-like (``init_synthetic``) weights with 8-cell tiles and a
-    4-cell overlap, cosine >= 0.999 and max-abs <= 0.1 against the untiled decode (see
-    tests/test_ltx.py and docs/families/ltx.md).
+    The spatial receptive field is wider than any practical overlap, so seams are approximate:
+    measured on trained-like (``init_synthetic``) ltx-tiny weights at the default 16-cell
+    tiles / 4-cell overlap, cosine 0.9987, max-abs 0.55, mean-abs 0.013 against the untiled
+    decode (diffusers' own tiling at that geometry: 0.9973, 0.78, 0.027); more in
+    docs/families/ltx.md.
 Injected noise is drawn once per decode for the full frame (in diffusers' draw order) and
 cropped per tile, so a seed gives the same noise in every mode.
 
@@ -48,6 +50,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +130,16 @@ def unpatchify(x: Tensor, p: int, pt: int) -> Tensor:
     return x.reshape(b, c, t * pt, h * p, w * p)
 
 
+def conv3d(x: Tensor, conv: nn.Conv3d) -> Tensor:
+    """``conv(x)``; float32 on the CPU goes straight to oneDNN. PyTorch's dispatch sends
+    inputs with small B*C*T*H (short temporal chunks, low-res stages) to ``slow_conv3d``,
+    measured 3-8x slower here; oneDNN is as fast or faster at every shape we run."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.enabled:
+        pad, stride, dil = list(conv.padding), list(conv.stride), list(conv.dilation)
+        return torch.ops.aten.mkldnn_convolution(x, conv.weight, conv.bias, pad, stride, dil, 1)
+    return conv(x)
+
+
 def timestep_features(t: Tensor) -> Tensor:
     """Sinusoidal [N] -> [N, 256] features, cos half first (diffusers' Timesteps, flip=True)."""
     half = TIME_PROJ_DIM // 2
@@ -199,7 +212,7 @@ class CausalConv3d(nn.Module):
         if x.shape[2] < self.kt:
             b, _, _, h, w = x.shape
             return x.new_empty(b, self.conv.out_channels, 0, h, w)
-        return self.conv(x)
+        return conv3d(x, self.conv)
 
     def forward(self, x: Tensor, s: Stream) -> Tensor:
         if self.kt == 1:
@@ -210,11 +223,12 @@ class CausalConv3d(nn.Module):
             if not x.shape[2]:
                 return self._run(x)
             prev = x[:, :, :1].expand(-1, -1, left, -1, -1)
-        seq = torch.cat([prev, x], 2) if prev.shape[2] else x
-        if s.final:
-            if right and seq.shape[2]:
-                seq = torch.cat([seq, seq[:, :, -1:].expand(-1, -1, right, -1, -1)], 2)
-        elif seq.shape[2] >= self.kt - 1:
+        parts = [prev, x] if prev.shape[2] else [x]
+        if s.final and right:  # stream end: replicate the last frame
+            tail = x if x.shape[2] else prev
+            parts.append(tail[:, :, -1:].expand(-1, -1, right, -1, -1))
+        seq = torch.cat(parts, 2) if len(parts) > 1 else x
+        if not s.final and seq.shape[2] >= self.kt - 1:
             s.carry[self] = seq[:, :, seq.shape[2] - self.kt + 1 :].clone()
         return self._run(seq)
 
@@ -497,11 +511,15 @@ class Decoder(VAEDecoder):
 
     # --- decoding ------------------------------------------------------------------------
     def decode(self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any) -> Tensor:
-        if z.ndim == 4:  # a single image latent is a one-frame video
-            z = z.unsqueeze(2)
+        """``[B,C,T,H,W]`` -> ``[B,3,T',H',W']``; an image latent ``[B,C,H,W]`` is decoded as
+        one frame and returned as ``[B,3,H',W']``."""
+        if z.ndim == 4:
+            return self.decode(z.unsqueeze(2), timer, **options)[:, :, 0]
         total = self.frames_out(z.shape[2])
         out, pos = None, 0
         for piece in self.iter_decode(z, timer, **options):
+            if out is None and piece.shape[2] == total:  # one pass: nothing to assemble
+                return piece
             if out is None:  # preallocate: no second full copy of the video
                 out = piece.new_empty(piece.shape[:2] + (total,) + piece.shape[3:])
             out[:, :, pos : pos + piece.shape[2]] = piece
@@ -520,7 +538,7 @@ class Decoder(VAEDecoder):
             z = z.unsqueeze(2)
         with timer.phase("condition"):
             cond = self._conditioning(z, options)
-        chunk = int(options.get("chunk_frames", self.config.get("chunk_frames", 2)) or 0)
+        chunk = int(self._option(options, "chunk_frames", 2))
         tiles = self._tiles(z, options)
         streams = [Stream(cond, self._stages(), (t[0], t[1]), chunk) for t in tiles]
         step = chunk or z.shape[2]
@@ -528,7 +546,7 @@ class Decoder(VAEDecoder):
             final = start + step >= z.shape[2]
             part = z[:, :, start : start + step]
             if len(tiles) == 1:
-                yield from self._flow(0, part, streams[0], final, timer)
+                yield from self._flow(part, streams[0], final, timer)
                 continue
             outs = [
                 self._decode_tile(part, t, s, final, timer)
@@ -537,6 +555,13 @@ class Decoder(VAEDecoder):
             if outs[0] is not None:
                 with timer.phase("blend"):
                     yield self._blend(outs, tiles, z.shape[-2:])
+
+    def _option(self, options: dict[str, Any], key: str, default: Any) -> Any:
+        """A request option, else the model config's value, else the default (None = unset)."""
+        value = options.get(key)
+        if value is None:
+            value = self.config.get(key)
+        return default if value is None else value
 
     # --- streaming internals ---------------------------------------------------------------
     def _stages(self) -> list[tuple[str, Stage, int]]:
@@ -552,26 +577,39 @@ class Decoder(VAEDecoder):
         stages.append(("conv_out", self._head, rate))
         return stages
 
-    def _flow(
-        self, k: int, x: Tensor, s: Stream, final: bool, timer: PhaseTimer
-    ) -> Iterator[Tensor]:
-        """Push frames through stages k.. in pieces of at most ``chunk`` latent frames' worth;
-        ``final`` marks the last piece a stage will ever get (it then flushes)."""
+    def _flow(self, x: Tensor, s: Stream, final: bool, timer: PhaseTimer) -> Iterator[Tensor]:
+        """Push one latent chunk through every stage, in pieces of at most ``s.chunk`` latent
+        frames' worth; ``final`` marks the stream's last chunk (each stage then flushes).
+
+        Depth first: the deepest stage with pending input runs next, and a stage's output is
+        referenced only by the queue of the stage after it, so memory is freed as it goes."""
         stages = s.stages
-        if k == len(stages):
-            if x.shape[2]:
-                yield x
-            return
-        name, stage, _ = stages[k]
-        s.final = final
-        with timer.phase(name):
-            y = stage(x, s)
-        if k + 1 < len(stages) and s.chunk and y.shape[2]:
-            pieces = list(y.split(s.chunk * stages[k + 1][2], dim=2))
-        else:
-            pieces = [y] if (y.shape[2] or final) else []
-        for i, piece in enumerate(pieces):
-            yield from self._flow(k + 1, piece, s, final and i == len(pieces) - 1, timer)
+        queues: list[deque[tuple[Tensor, bool]]] = [deque() for _ in range(len(stages) + 1)]
+        queues[0].append((x, final))
+        del x
+        while any(queues):
+            k = max(i for i, q in enumerate(queues) if q)
+            piece, last = queues[k].popleft()
+            if k == len(stages):
+                yield piece
+                continue
+            name, stage, _ = stages[k]
+            s.final = last
+            with timer.phase(name):
+                y = stage(piece, s)
+            del piece
+            next_rate = stages[k + 1][2] if k + 1 < len(stages) else 0  # 0: the output
+            queues[k + 1].extend(self._pieces(y, last, next_rate, s))
+            del y
+
+    @staticmethod
+    def _pieces(y: Tensor, last: bool, rate: int, s: Stream) -> list[tuple[Tensor, bool]]:
+        """Split a stage's output into the next stage's pieces; the last piece of the stream
+        is passed on even when empty (the next stage must still flush)."""
+        if not y.shape[2]:
+            return [(y, True)] if last and rate else []
+        parts = y.split(s.chunk * rate, dim=2) if (s.chunk and rate) else (y,)
+        return [(p, last and i == len(parts) - 1) for i, p in enumerate(parts)]
 
     def _head(self, x: Tensor, s: Stream) -> Tensor:
         h = rms_norm(x)
@@ -600,8 +638,7 @@ class Decoder(VAEDecoder):
 
     def _timesteps(self, z: Tensor, options: dict[str, Any]) -> Tensor:
         t = options.get("timestep")
-        if t is None:
-            t = self.config.get("decode_timestep", 0.0)
+        t = self.config.get("decode_timestep", 0.0) if t is None else t
         t = torch.as_tensor(t, dtype=torch.float32, device=z.device).flatten()
         t = t.expand(z.shape[0]) if t.numel() == 1 else t
         return t * self.timestep_scale_multiplier
@@ -620,8 +657,7 @@ class Decoder(VAEDecoder):
     def _draw_noise(self, cond: Conditioning, z: Tensor, options: dict[str, Any]) -> None:
         """Full-frame [H, W] noise per injection point, in forward order, on the CPU
         generator (so a seed means the same noise on every device and in every mode)."""
-        seed = options.get("seed")
-        seed = int(self.config.get("seed", 0) if seed is None else seed)
+        seed = int(self._option(options, "seed", 0))
         gen = torch.Generator().manual_seed(seed)
         h, w = z.shape[-2:]
         for resnet in self._resnets():
@@ -636,12 +672,10 @@ class Decoder(VAEDecoder):
     def _tiles(self, z: Tensor, options: dict[str, Any]) -> list[tuple[int, int, int, int]]:
         """(y0, x0, h, w) latent tiles; one tile covering everything when tiling is off."""
         h, w = z.shape[-2:]
-        if not options.get("tile", self.config.get("tile", False)):
+        if not self._option(options, "tile", False):
             return [(0, 0, h, w)]
-        size = int(options.get("tile_size", self.config.get("tile_size", 16)))
-        overlap = min(
-            int(options.get("tile_overlap", self.config.get("tile_overlap", 4))), size // 2
-        )
+        size = int(self._option(options, "tile_size", 16))
+        overlap = min(int(self._option(options, "tile_overlap", 4)), size // 2)
         ys, xs = _starts(h, size, overlap), _starts(w, size, overlap)
         return [(y, x, min(size, h), min(size, w)) for y in ys for x in xs]
 
@@ -655,7 +689,7 @@ class Decoder(VAEDecoder):
     ) -> Tensor | None:
         """This chunk's frames of one tile (None while its stream is still filling)."""
         y, x, h, w = tile
-        pieces = list(self._flow(0, part[..., y : y + h, x : x + w], s, final, timer))
+        pieces = list(self._flow(part[..., y : y + h, x : x + w], s, final, timer))
         return torch.cat(pieces, 2) if pieces else None
 
     def _blend(
@@ -799,7 +833,7 @@ def _from_lightricks(tensors: dict[str, Tensor], raw: dict[str, Any]) -> tuple[d
     state: dict[str, Tensor] = {}
     for key, value in dec.items():
         state[_rename_original(key, targets)] = value
-    config = _infer_config(state, kinds, raw)
+    config = _infer_config(state, raw)
     _add_stats(config, stats.get("mean-of-means"), stats.get("std-of-means"))
     return _jsonable(config), state
 
@@ -849,21 +883,21 @@ def _rename_original(key: str, targets: list[str]) -> str:
     return re.sub(r"conv_shortcut\.(weight|bias)$", r"conv_shortcut.conv.\1", key)
 
 
-def _infer_config(state: dict[str, Tensor], kinds: list[str], raw: dict[str, Any]) -> dict:
-    """Decoder config from weight shapes; residual/causal from the embedded config if any."""
+def _infer_config(state: dict[str, Tensor], raw: dict[str, Any]) -> dict:
+    """Decoder config from weight shapes; what weights cannot tell (upsampler residual,
+    causality) from the checkpoint's embedded config, else as every release has it."""
     resnets = _count(state, r"^mid_block\.resnets\.(\d+)\.")
     blocks = _infer_blocks(state)
     uppers = [b for b in blocks if b["upsample"]]
-    for b, (residual, factor) in zip(uppers, _compress_params(raw, len(uppers)), strict=False):
+    for b, residual in zip(uppers, _compress_residual(raw, len(uppers)), strict=True):
         b["residual"] = residual if residual is not None else b["factor"] > 1
-        b["factor"] = factor or b["factor"]
     out = state["conv_out.conv.weight"].shape[0]
     patch = int(raw.get("patch_size") or round(math.sqrt(out / 3)))
     rev = {
         "decoder_block_out_channels": [b["cout"] * b["factor"] for b in blocks],
         "decoder_layers_per_block": [resnets] + [b["layers"] for b in blocks],
         "decoder_spatio_temporal_scaling": [b["upsample"] for b in blocks],
-        "decoder_inject_noise": [_noisy(state, "mid_block")] + [b["noise"] for b in blocks],
+        "decoder_inject_noise": [_has_noise(state, "mid_block")] + [b["noise"] for b in blocks],
         "upsample_residual": [b.get("residual", False) for b in blocks],
         "upsample_factor": [b["factor"] for b in blocks],
     }
@@ -894,23 +928,22 @@ def _infer_blocks(state: dict[str, Tensor]) -> list[dict[str, Any]]:
                 "layers": _count(state, rf"^{p}\.resnets\.(\d+)\."),
                 "upsample": up is not None,
                 "factor": factor,
-                "noise": _noisy(state, p),
+                "noise": _has_noise(state, p),
             }
         )
         i += 1
     return blocks
 
 
-def _compress_params(raw: dict[str, Any], n: int) -> list[tuple[bool | None, int | None]]:
-    """(residual, multiplier) of each compress_all block, decode order, from Lightricks'
-    ``decoder_blocks`` config (listed encoder-side first). Unknown: (None, None)."""
+def _compress_residual(raw: dict[str, Any], n: int) -> list[bool | None]:
+    """``residual`` of each compress block in decode order, from Lightricks'
+    ``decoder_blocks`` config (listed encoder-side first); None where unknown."""
     entries = []
     for block in reversed(raw.get("decoder_blocks") or raw.get("blocks") or []):
-        name, params = block[0], block[1] if len(block) > 1 else {}
-        if str(name).startswith("compress"):
-            params = params if isinstance(params, dict) else {}
-            entries.append((params.get("residual"), params.get("multiplier")))
-    return entries if len(entries) == n else [(None, None)] * n
+        params = block[1] if len(block) > 1 and isinstance(block[1], dict) else {}
+        if str(block[0]).startswith("compress"):
+            entries.append(params.get("residual"))
+    return entries if len(entries) == n else [None] * n
 
 
 def _count(state: dict[str, Tensor], pattern: str) -> int:
@@ -919,7 +952,7 @@ def _count(state: dict[str, Tensor], pattern: str) -> int:
     return max(found) + 1 if found else 0
 
 
-def _noisy(state: dict[str, Tensor], prefix: str) -> bool:
+def _has_noise(state: dict[str, Tensor], prefix: str) -> bool:
     return any(k.startswith(prefix + ".") and "per_channel_scale1" in k for k in state)
 
 

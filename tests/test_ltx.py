@@ -1,0 +1,298 @@
+"""The LTX-Video decoder against diffusers' AutoencoderKLLTXVideo.decode (random weights)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import AutoencoderKLLTXVideo
+from diffusers.loaders.single_file_utils import convert_ltx_vae_checkpoint_to_diffusers
+from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
+from safetensors.torch import save_file
+
+from app.decoders import ltx
+from app.decoders.ops import cosine
+from app.timing import PhaseTimer
+
+# a tiny encoder: diffusers always builds one, the tests never use it
+ENCODER = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1))
+V091_BLOCKS = dict(
+    decoder_block_out_channels=(8, 16, 32),
+    decoder_layers_per_block=(1, 1, 1, 1),
+    decoder_spatio_temporal_scaling=(True, True, True),
+    upsample_residual=(True, True, True),
+    upsample_factor=(2, 2, 2),
+)
+VARIANTS = {
+    # 0.9.0: channel-changing conv_in resnets (norm3 + 1x1 shortcut), plain upsamplers
+    "v090": dict(
+        decoder_block_out_channels=(4, 8, 16, 16),
+        decoder_layers_per_block=(1, 1, 1, 1, 1),
+        decoder_spatio_temporal_scaling=(True, True, True, False),
+    ),
+    # 0.9.1: timestep conditioning, noise injection, residual 2x upsamplers
+    "v091": dict(
+        **V091_BLOCKS, timestep_conditioning=True, decoder_inject_noise=(True, True, True, False)
+    ),
+    # 0.9.5+: the same blocks without noise, causal and not
+    "v095": dict(**V091_BLOCKS, timestep_conditioning=True),
+    "v095-causal": dict(**V091_BLOCKS, timestep_conditioning=True, decoder_causal=True),
+    # residual upsamplers at factor 1, causal, patch 2, two layers: what else the config allows
+    "residual-p2": dict(
+        decoder_block_out_channels=(8, 8, 8),
+        decoder_layers_per_block=(2, 1, 1, 2),
+        decoder_spatio_temporal_scaling=(True, False, True),
+        upsample_residual=(True, False, True),
+        decoder_causal=True,
+        patch_size=2,
+    ),
+}
+LATENT_CHANNELS = 8
+TIMESTEP = 0.05
+SEED = 7
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tensors are tiny: thread wake-ups, not FLOPs, dominate with more threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_pair(variant: str) -> tuple[AutoencoderKLLTXVideo, ltx.Decoder]:
+    """A diffusers VAE with random weights and our decoder loaded from its state dict."""
+    kwargs = VARIANTS[variant]
+    torch.manual_seed(0)
+    ref = AutoencoderKLLTXVideo(latent_channels=LATENT_CHANNELS, **ENCODER, **kwargs).eval()
+    with torch.no_grad():  # diffusers zero-inits the noise scales: make them count
+        for name, p in ref.decoder.named_parameters():
+            if "per_channel_scale" in name:
+                p.normal_(0, 0.1)
+    config = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+    ours = ltx.Decoder({"latent_channels": LATENT_CHANNELS, **config}).eval()
+    ours.load_state_dict(decoder_state(ref))
+    return ref, ours
+
+
+def decoder_state(ref: AutoencoderKLLTXVideo) -> dict[str, torch.Tensor]:
+    return {k[8:]: v for k, v in ref.state_dict().items() if k.startswith("decoder.")}
+
+
+def reference_decode(ref: AutoencoderKLLTXVideo, z: torch.Tensor) -> torch.Tensor:
+    """diffusers' decode; its noise comes from the global RNG, seeded like ours."""
+    temb = torch.full((z.shape[0],), TIMESTEP) if ref.config.timestep_conditioning else None
+    torch.manual_seed(SEED)
+    with torch.no_grad():
+        return ref.decode(z, temb).sample
+
+
+def latent(frames: int, h: int = 2, w: int = 3, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(frames * 100 + h * 10 + w)
+    return torch.randn((batch, LATENT_CHANNELS, frames, h, w), generator=g)
+
+
+def report(name: str, got: torch.Tensor, expected: torch.Tensor) -> float:
+    cos = cosine(got, expected)
+    err = (got - expected).abs().max().item()
+    print(f"{name}: cos={cos:.8f} max_abs={err:.2e}")
+    return cos
+
+
+@pytest.mark.parametrize("frames", [1, 2, 3])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_matches_diffusers(variant, frames):
+    ref, ours = make_pair(variant)
+    z = latent(frames, batch=2 if frames == 2 else 1)
+    expected = reference_decode(ref, z)
+    # 3 latent frames run as 3 temporal chunks with state carried across them
+    got = ours.decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=1 if frames == 3 else 2)
+    assert got.shape == expected.shape
+    assert got.shape[2] == ours.frames_out(frames)
+    assert report(f"{variant} T={frames}", got, expected) >= 0.99999
+
+
+@pytest.mark.parametrize("variant", ["v090", "v091", "v095-causal"])
+def test_temporal_chunks_are_exact(variant):
+    """One latent frame at a time, carried state across chunks == one pass."""
+    _, ours = make_pair(variant)
+    z = latent(4, 2, 2)
+    whole = ours.decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=0)
+    pieces = list(ours.iter_decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=1))
+    streamed = torch.cat(pieces, 2)
+    assert report(f"{variant} chunk=1 vs whole", streamed, whole) >= 0.99999
+    assert (streamed - whole).abs().max() < 1e-5
+    # bounded: no piece is larger than one latent frame's worth at the last stage (+1 flush)
+    assert max(p.shape[2] for p in pieces) <= ours.temporal_scale + 1
+
+
+def test_noise_seed():
+    _, ours = make_pair("v091")
+    z = latent(2)
+    a = ours.decode(z, timestep=TIMESTEP, seed=1)
+    b = ours.decode(z, timestep=TIMESTEP, seed=1, chunk_frames=1)
+    c = ours.decode(z, timestep=TIMESTEP, seed=2)
+    assert torch.equal(a, ours.decode(z, timestep=TIMESTEP, seed=1))
+    assert (a - b).abs().max() < 1e-5
+    assert (a - c).abs().max() > 1e-3
+
+
+def test_no_noise_draws_nothing():
+    _, ours = make_pair("v095")
+    state = torch.get_rng_state()
+    a = ours.decode(latent(2), seed=1)
+    assert torch.equal(state, torch.get_rng_state())
+    assert torch.equal(a, ours.decode(latent(2), seed=2))
+
+
+def test_timestep_default_and_effect():
+    ref, ours = make_pair("v095")
+    z = latent(1)
+    assert torch.equal(ours.decode(z), ours.decode(z, timestep=0.0))  # LTXPipeline's default
+    assert (ours.decode(z, timestep=0.5) - ours.decode(z)).abs().max() > 1e-3
+    with torch.no_grad():
+        expected = ref.decode(z, torch.tensor([0.5])).sample
+    assert report("v095 timestep=0.5", ours.decode(z, timestep=0.5), expected) >= 0.99999
+
+
+def test_tiled_is_blended_within_bound():
+    """Spatial tiles vs the untiled decode, on trained-like weights; diffusers' own tiling
+    at the same tile geometry is the yardstick."""
+    ref, ours = make_pair("v091")
+    ltx.init_synthetic(ours, torch.Generator().manual_seed(0))
+    ref.decoder.load_state_dict(ours.state_dict())
+    z = latent(2, 4, 6)
+    whole = ours.decode(z, timestep=TIMESTEP, seed=SEED)
+    tiled = ours.decode(z, timestep=TIMESTEP, seed=SEED, tile=True, tile_size=4, tile_overlap=2)
+    ref_whole = reference_decode(ref, z)
+    ref.enable_tiling(128, 128, None, 64, 64)  # the same geometry: 4-cell tiles, 2-cell stride
+    ref_tiled = reference_decode(ref, z)
+    assert report("untiled vs diffusers", whole, ref_whole) >= 0.99999
+    ours_cos = report("ours tiled vs untiled", tiled, whole)
+    ref_cos = report("diffusers tiled vs untiled", ref_tiled, ref_whole)
+    # tiny 128-px tiles with 64-px overlaps are the harsh case (docs/families/ltx.md has
+    # larger geometries); the bound: no worse than diffusers' tiling, and cos >= 0.95
+    assert ours_cos >= max(ref_cos, 0.95)
+
+
+def test_geometry_and_timer():
+    _, ours = make_pair("v091")
+    assert (ours.spatial_scale, ours.temporal_scale, ours.frames_out(3)) == (32, 8, 17)
+    probe = ours.probe_latent(torch.Generator().manual_seed(0))
+    assert probe.shape == (1, LATENT_CHANNELS, 2, 4, 4)
+    timer = PhaseTimer()
+    ours.decode(probe, timer, seed=0)
+    assert {"conv_in", "mid", "up_0", "up_1", "up_2", "conv_out"} <= set(timer.phases())
+    image = ours.decode(probe[:, :, 0], seed=0)  # an image latent: one frame, 4-D out
+    assert torch.equal(image, ours.decode(probe[:, :, :1], seed=0)[:, :, 0])
+    with pytest.raises(ValueError, match="conv_in"):
+        ltx.Decoder({"decoder_block_out_channels": [8, 16], "decoder_layers_per_block": [1] * 3,
+                     "decoder_spatio_temporal_scaling": [True, True],
+                     "decoder_inject_noise": [True] * 3})  # fmt: skip
+
+
+def test_synthetic_is_deterministic():
+    config = ltx.SYNTHETIC["ltx-tiny"]
+    a, b = ltx.Decoder(config), ltx.Decoder(config)
+    ltx.init_synthetic(a, torch.Generator().manual_seed(3))
+    ltx.init_synthetic(b, torch.Generator().manual_seed(3))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
+                                                 b.state_dict().values(), strict=True))  # fmt: skip
+    json.dumps(config)  # a store manifest holds it
+
+
+# --- conversion ---------------------------------------------------------------------------
+def _with_stats(ref: AutoencoderKLLTXVideo) -> AutoencoderKLLTXVideo:
+    g = torch.Generator().manual_seed(5)
+    ref.latents_mean.copy_(torch.randn(LATENT_CHANNELS, generator=g))
+    ref.latents_std.copy_(torch.rand(LATENT_CHANNELS, generator=g) + 0.5)
+    return ref
+
+
+@pytest.mark.parametrize("variant", ["v090", "v091"])
+def test_convert_diffusers_folder(variant, tmp_path):
+    ref, _ = make_pair(variant)
+    _with_stats(ref).save_pretrained(tmp_path / "pipe" / "vae")
+    config, state = ltx.convert(tmp_path / "pipe")  # a pipeline folder holding vae/
+    assert ltx.convert(tmp_path / "pipe" / "vae")[0] == config
+    ours = ltx.Decoder(json.loads(json.dumps(config))).eval()  # the config survives JSON
+    ours.load_state_dict(state)
+    z = latent(2)
+    got = ours.decode(z, timestep=TIMESTEP, seed=SEED)
+    assert report(f"{variant} converted", got, reference_decode(ref, z)) >= 0.99999
+    expected = LTXPipeline._denormalize_latents(
+        z, ref.latents_mean, ref.latents_std, ref.config.scaling_factor
+    )
+    assert torch.allclose(ours.denormalize(z), expected)
+    assert config["fps"] == 25
+
+
+def lightricks_checkpoint(ref: AutoencoderKLLTXVideo) -> tuple[dict, dict]:
+    """Write diffusers' weights in Lightricks' original single-file layout (and its config):
+    one flat ``up_blocks.N`` list of res_x / res_x_y / compress_all blocks."""
+    blocks = [("mid_block", ["res_x", {}])]
+    residual = list(reversed(ref.config.upsample_residual))
+    factor = list(reversed(ref.config.upsample_factor))
+    for i, block in enumerate(ref.decoder.up_blocks):
+        if block.conv_in is not None:
+            blocks.append((f"up_blocks.{i}.conv_in", ["res_x_y", {}]))
+        if block.upsamplers is not None:
+            params = {"residual": residual[i], "multiplier": factor[i]}
+            blocks.append((f"up_blocks.{i}.upsamplers.0", ["compress_all", params]))
+        blocks.append((f"up_blocks.{i}", ["res_x", {}]))
+    tensors = {"vae.decoder." + _original_name(k, blocks): v for k, v in decoder_state(ref).items()}
+    tensors["vae.per_channel_statistics.mean-of-means"] = ref.latents_mean
+    tensors["vae.per_channel_statistics.std-of-means"] = ref.latents_std
+    tensors["vae.per_channel_statistics.channel"] = torch.arange(LATENT_CHANNELS)
+    tensors["vae.per_channel_statistics.mean-of-stds"] = torch.ones(LATENT_CHANNELS)
+    tensors["vae.encoder.conv_out.conv.weight"] = torch.zeros(1, 8, 1, 1, 1)  # detection only
+    vae = {
+        "decoder_blocks": [kind for _, kind in reversed(blocks)],  # listed encoder-side first
+        "patch_size": ref.config.patch_size,
+        "causal_decoder": ref.config.decoder_causal,
+    }
+    return tensors, {"vae": vae}
+
+
+def _original_name(key: str, blocks: list[tuple[str, list]]) -> str:
+    for j, (path, (kind, _)) in sorted(enumerate(blocks), key=lambda b: -len(b[1][0])):
+        if key.startswith(path + "."):
+            rest = key[len(path) + 1 :]
+            rest = rest.replace("resnets.", "res_blocks.") if kind == "res_x" else rest
+            key = f"up_blocks.{j}.{rest}"
+            break
+    key = key.replace("conv_shortcut.conv.", "conv_shortcut.").replace("norm3.", "norm3.norm.")
+    for new, old in (("time_embedder.", "last_time_embedder."),
+                     ("scale_shift_table", "last_scale_shift_table")):  # fmt: skip
+        key = old + key[len(new) :] if key.startswith(new) else key
+    return key
+
+
+@pytest.mark.parametrize("variant", ["v090", "v091", "residual-p2"])
+def test_convert_lightricks_single_file(variant, tmp_path):
+    ref, _ = make_pair(variant)
+    _with_stats(ref)
+    tensors, meta = lightricks_checkpoint(ref)
+    if variant != "residual-p2":  # diffusers' own converter knows only the released layouts
+        theirs = convert_ltx_vae_checkpoint_to_diffusers(dict(tensors))
+        assert {k: v for k, v in theirs.items() if k.startswith("decoder.")}.keys() == {
+            "decoder." + k for k in decoder_state(ref)
+        }
+    path = tmp_path / "ltx-video.safetensors"
+    save_file(tensors, str(path), metadata={"config": json.dumps(meta)})
+    config, state = ltx.convert(path)
+    folder_config, folder_state = ltx.convert(_saved(ref, tmp_path / "vae"))
+    assert state.keys() == folder_state.keys()
+    assert all(torch.equal(state[k], folder_state[k]) for k in state)
+    assert ltx.decoder_spec(config) == ltx.decoder_spec(folder_config)
+    assert torch.allclose(torch.tensor(config["latents_mean"]), ref.latents_mean)
+    if variant != "residual-p2":  # without embedded config: "residual iff factor 2" holds
+        save_file(tensors, str(path))
+        assert ltx.decoder_spec(ltx.convert(path)[0]) == ltx.decoder_spec(folder_config)
+
+
+def _saved(ref: AutoencoderKLLTXVideo, folder):
+    ref.save_pretrained(folder)
+    return folder
