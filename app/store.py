@@ -91,7 +91,7 @@ def write_model(
     }
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (WEIGHTS + ".tmp")
-    save_file(cast, str(tmp), metadata={"family": family, "name": name})
+    save_file(cast, str(tmp))  # no metadata: its order is not stable, and sha256 must be
     tmp.replace(folder / WEIGHTS)
     manifest = Manifest(
         name,
