@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.protocol import Limits
@@ -21,12 +21,22 @@ class Settings(BaseSettings):
     parity_min_cos: float = 0.9999
     models: str = Field("", description="comma-separated store entries to load; empty = all")
     default_model: str | None = None
-    queue_depth: int = 32
-    max_batch: int = 8
+    verify_weights: bool = Field(True, description="check each entry's sha256 at startup")
+    ready_partial: bool = Field(False, description="/readyz 200 while some models failed")
+    # admission and limits
+    queue_depth: int = Field(32, ge=1)
+    max_batch: int = Field(8, ge=1)
     max_pixels: int = 2048 * 2048
     max_frames: int = 257
     max_body_mb: int = 256
-    retry_after_s: int = 1
+    body_timeout_s: float = Field(60.0, gt=0, description="whole request body, else 408")
+    max_request_timeout_s: float = Field(300.0, gt=0, description="cap on a request's deadline")
+    retry_after_s: int = Field(1, ge=1)
+    drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: finish queued work this long")
+    stream_stall_s: float = Field(60.0, gt=0, description="an MP4 reader this slow is dropped")
+    # security
+    api_tokens: SecretStr = Field(SecretStr(""), description="comma-separated bearer tokens")
+    protect_metrics: bool = False
     threads: int = 0  # torch intra-op threads; 0 = torch's default
 
     def limits(self) -> Limits:
@@ -40,3 +50,6 @@ class Settings(BaseSettings):
     def model_names(self) -> list[str] | None:
         names = [n.strip() for n in self.models.split(",") if n.strip()]
         return names or None
+
+    def tokens(self) -> list[str]:
+        return [t.strip() for t in self.api_tokens.get_secret_value().split(",") if t.strip()]

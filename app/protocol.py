@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -57,6 +57,19 @@ class Limits:
     max_batch: int = 8
     max_elements: int = 64 << 20  # latent elements
 
+    def tightened(self, config: dict[str, Any]) -> Limits:
+        """These limits, lowered by a model's own ``max_pixels``/``max_frames``/``max_batch``.
+
+        A manifest can only tighten the server's limits: the server's are sized to its memory.
+        """
+        own = {k: config.get(k) for k in ("max_pixels", "max_frames", "max_batch")}
+        lower = {
+            k: min(v, getattr(self, k))
+            for k, v in own.items()
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0
+        }
+        return replace(self, **lower) if lower else self
+
 
 @dataclass
 class DecodeParams:
@@ -77,6 +90,7 @@ class DecodeParams:
     seed: int | None = None
     quality: int = 90
     model: str | None = None
+    timeout: float | None = None  # seconds the caller waits; the server caps it
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -97,6 +111,7 @@ _KNOWN = {
     "seed",
     "quality",
     "model",
+    "timeout",
     "input_tensor_type",
     "output_tensor_type",
     "return_type",
@@ -140,7 +155,16 @@ def parse_params(items: list[tuple[str, str]]) -> DecodeParams:
     p.seed = _parse_number("seed", one("seed"), int, low=0, high=2**63 - 1)
     p.quality = _parse_number("quality", one("quality"), int, low=1, high=100) or 90
     p.model = one("model")
+    p.timeout = parse_timeout("timeout", one("timeout"))
     return p
+
+
+def parse_timeout(name: str, value: str | None) -> float | None:
+    """A deadline in seconds (``timeout`` param or ``X-Request-Timeout`` header), > 0."""
+    seconds = _parse_number(name, value, float, low=0.0)
+    if seconds is not None and seconds <= 0:
+        raise ProtocolError(422, f"{name}={value[:64]!r} must be positive", "seconds > 0")
+    return seconds
 
 
 def _parse_shape(values: list[str]) -> list[int]:
@@ -148,7 +172,7 @@ def _parse_shape(values: list[str]) -> list[int]:
     try:
         if text is not None and text.startswith("["):
             dims = json.loads(text)
-            if not isinstance(dims, list):
+            if not isinstance(dims, list) or not all(type(d) is int for d in dims):
                 raise ValueError
         elif text is not None and "," in text:
             dims = [int(v) for v in text.split(",")]
@@ -157,7 +181,7 @@ def _parse_shape(values: list[str]) -> list[int]:
         dims = [int(d) for d in dims]
         if any(isinstance(d, bool) for d in dims):
             raise ValueError
-    except (ValueError, TypeError, json.JSONDecodeError, OverflowError):
+    except (ValueError, TypeError, OverflowError, RecursionError):
         raise ProtocolError(
             422,
             f"shape {values!r} is not a list of integers",
@@ -256,15 +280,36 @@ def _parse_safetensors(body: bytes) -> Tensor:
 
 
 def _parse_npy(body: bytes) -> Tensor:
+    """A ``.npy`` body, its header checked against the data before anything is allocated.
+
+    ``np.load`` on a file-like object allocates the header's shape first, so a 100-byte body
+    declaring a terabyte array would be honoured: the header is parsed here instead.
+    """
+    stream = io.BytesIO(body)
     try:
-        array = np.load(io.BytesIO(body), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise ProtocolError(400, f"body is not a valid .npy file: {exc}") from None
-    if not isinstance(array, np.ndarray) or array.dtype not in (np.float32, np.float16):
+        version = np.lib.format.read_magic(stream)
+        read_header = {
+            (1, 0): np.lib.format.read_array_header_1_0,
+            (2, 0): np.lib.format.read_array_header_2_0,
+        }.get(version)
+        if read_header is None:
+            raise ValueError(f"version {version} is not supported (1.0 or 2.0)")
+        shape, fortran_order, dtype = read_header(stream)
+    except Exception as exc:  # numpy's header parser raises many types on hostile input
+        raise ProtocolError(400, f"body is not a valid .npy file: {str(exc)[:200]}") from None
+    if dtype.kind != "f" or dtype.itemsize not in (2, 4) or dtype.fields is not None:
+        raise ProtocolError(422, f".npy dtype {dtype} is not supported", "float32|float16")
+    count = math.prod(shape)
+    data = len(body) - stream.tell()
+    if count * dtype.itemsize != data:
         raise ProtocolError(
-            422, f".npy dtype {getattr(array, 'dtype', '?')} is not supported", "float32|float16"
+            400,
+            f".npy header declares shape {list(shape)[:8]} ({count * dtype.itemsize} bytes) "
+            f"but the body holds {data} data bytes",
         )
-    return torch.from_numpy(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("=")))
+    array = np.frombuffer(body, dtype=dtype, count=count, offset=stream.tell())
+    array = array.reshape(shape, order="F" if fortran_order else "C")
+    return torch.from_numpy(array.astype(dtype.newbyteorder("="), order="C", copy=True))
 
 
 # --- validation against a model -------------------------------------------------------
@@ -322,6 +367,8 @@ def _unpack(tensor: Tensor, params: DecodeParams, geo: ModelGeometry) -> Tensor:
 
 def check_limits(tensor: Tensor, geo: ModelGeometry, limits: Limits) -> None:
     """Batch, pixel and frame limits, and finiteness, before the decode allocates anything."""
+    if tensor.numel() == 0:
+        raise ProtocolError(422, f"latent {list(tensor.shape)} is empty", "every dim >= 1")
     b = tensor.shape[0]
     h, w = tensor.shape[-2] * geo.spatial_scale, tensor.shape[-1] * geo.spatial_scale
     if b > limits.max_batch:

@@ -7,34 +7,56 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import re
+import signal
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import media
+from app.auth import BearerAuth
 from app.config import Settings
-from app.engine import Engine, Job, QueueFull, Scaling, ServedModel
+from app.engine import (
+    DeadlineExceeded,
+    Engine,
+    Job,
+    QueueFull,
+    Scaling,
+    ServedModel,
+    Stopped,
+    is_oom,
+)
 from app.logging_json import log_request
 from app.metrics import Metrics
 from app.protocol import (
     IMAGE_MIME,
+    RAW_TYPES,
+    WIRE_DTYPES,
     DecodeParams,
+    Limits,
     ProtocolError,
     check_limits,
     choose_output,
+    media_type,
     parse_body,
     parse_params,
+    parse_timeout,
     to_layout,
 )
 from app.store import NAME_RE
@@ -43,6 +65,16 @@ from app.video import encode_mp4, iter_frames
 
 log = logging.getLogger("app.service")
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
+# Safe by default for an API that browsers should never render or frame (OWASP REST sheet).
+SECURITY_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+API_CSP = "default-src 'none'; frame-ancestors 'none'"
+DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc"})  # Swagger UI needs scripts
 
 BODY_DOC = {
     "requestBody": {
@@ -77,26 +109,71 @@ BODY_DOC = {
             ("timestep", {"type": "number"}, "decode timestep (timestep-conditioned LTX)"),
             ("seed", {"type": "integer"}, "noise seed (LTX noise injection)"),
             ("quality", {"type": "integer"}, "jpg/webp quality 1..100"),
+            ("timeout", {"type": "number"}, "seconds this request may wait to start (capped)"),
         ]
+    ]
+    + [
+        {
+            "name": "X-Request-Timeout",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "number"},
+            "description": "seconds this request may wait to start; capped by the server",
+        }
     ],
 }
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+@dataclass
+class Drain:
+    """SIGTERM handling: refuse new decodes (503), let accepted ones finish within the grace,
+    then hand the signal to uvicorn, which closes the listener and exits."""
+
+    grace_s: float
+    draining: bool = False
+    active: int = 0  # decode requests accepted and not yet answered in full
+    _task: asyncio.Task | None = field(default=None, repr=False)
+
+    def begin(self, forward: Callable[[bool], None]) -> None:
+        """Start draining (on the event loop); a second signal forwards at once, forced."""
+        if self.draining:
+            forward(True)
+            return
+        self.draining = True
+        log.info("draining %d requests (grace %.1f s)", self.active, self.grace_s)
+        self._task = asyncio.ensure_future(self._finish(forward))
+
+    async def _finish(self, forward: Callable[[bool], None]) -> None:
+        deadline = time.monotonic() + self.grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.active:
+            log.warning("drain grace ran out with %d requests unfinished", self.active)
+        forward(self.active > 0)
 
 
 def create_app(settings: Settings | None = None, *, load_in_background: bool = True) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
     engine = Engine(settings, metrics)
+    drain = Drain(settings.drain_grace_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         engine.start()
+        restore = _route_sigterm(drain)
         if load_in_background:
             threading.Thread(target=engine.load_all, name="model-loader", daemon=True).start()
         else:
             engine.load_all()
         yield
+        restore()
         engine.stop()
 
     app = FastAPI(
@@ -106,27 +183,98 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
         lifespan=lifespan,
     )
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
-    _install_middleware(app)
+    app.state.drain = drain
+    # the last added is the outermost: the envelope also wraps auth's 401s
+    app.add_middleware(
+        BearerAuth, tokens=settings.tokens(), protect_metrics=settings.protect_metrics
+    )
+    app.add_middleware(Envelope)
     _install_error_handlers(app)
-    _install_routes(app, engine, metrics, settings)
+    _install_routes(app, engine, metrics, settings, drain)
     return app
 
 
-def _install_middleware(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def request_id(request: Request, call_next: Any) -> Response:
-        incoming = request.headers.get("x-request-id", "")
+def _route_sigterm(drain: Drain) -> Callable[[], None]:
+    """Send SIGTERM through ``drain`` before the server's own handler; returns an undo.
+
+    Only the main thread can take signals: a server run from a test thread has none.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    loop = asyncio.get_running_loop()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def forward(force: bool) -> None:
+        if not callable(previous):  # SIG_DFL / SIG_IGN: let the default happen
+            signal.signal(signal.SIGTERM, previous)
+            signal.raise_signal(signal.SIGTERM)
+            return
+        server = getattr(previous, "__self__", None)
+        if force and hasattr(server, "force_exit"):
+            server.force_exit = True  # uvicorn.Server: the grace is spent, skip its own wait
+        previous(signal.SIGTERM, None)
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        loop.call_soon_threadsafe(drain.begin, forward)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+    return restore
+
+
+class Envelope:
+    """Outermost middleware: request id, a Server-Timing fallback, safe headers on every
+    response, and a JSON 500 (logged with the request id) for anything unhandled."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        incoming = _header(scope, b"x-request-id")
         rid = incoming if REQUEST_ID_RE.match(incoming) else uuid.uuid4().hex
-        request.state.request_id = rid
-        request.state.started = time.perf_counter()
-        response = await call_next(request)
-        response.headers["X-Request-Id"] = rid
-        if "server-timing" not in response.headers:
-            total = (time.perf_counter() - request.state.started) * 1000
-            response.headers["Server-Timing"] = f"total;dur={total:.2f}"
-        response.headers.setdefault("X-Content-Type-Options", "nosniff")
-        response.headers.setdefault("Cache-Control", "no-store")
-        return response
+        started = time.perf_counter()
+        state = scope.setdefault("state", {})
+        state["request_id"], state["started"] = rid, started
+        sent = False
+
+        async def send_with_headers(message: Message) -> None:
+            nonlocal sent
+            if message["type"] == "http.response.start":
+                sent = True
+                _decorate(MutableHeaders(scope=message), rid, started, scope["path"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception:
+            log.exception("unhandled error in request %s", rid)
+            if sent:
+                raise
+            body = {"error": "internal server error", "request_id": rid}
+            await _error(500, body)(scope, receive, send_with_headers)
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
+def _decorate(headers: MutableHeaders, rid: str, started: float, path: str) -> None:
+    headers["X-Request-Id"] = rid
+    if "server-timing" not in headers:
+        headers["Server-Timing"] = f"total;dur={(time.perf_counter() - started) * 1000:.2f}"
+    for name, value in SECURITY_HEADERS.items():
+        headers.setdefault(name, value)
+    if path not in DOC_PATHS:
+        headers.setdefault("Content-Security-Policy", API_CSP)
 
 
 def _error(
@@ -142,26 +290,35 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, {"error": str(exc.detail)})
+        return _error(exc.status_code, {"error": str(exc.detail)}, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(422, {"error": "invalid request", "detail": exc.errors()})
 
 
-def _install_routes(app: FastAPI, engine: Engine, metrics: Metrics, settings: Settings) -> None:
+def _install_routes(
+    app: FastAPI, engine: Engine, metrics: Metrics, settings: Settings, drain: Drain
+) -> None:
     @app.get("/healthz", summary="Process alive")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz", summary="200 once every model is resident and gated")
     async def readyz() -> JSONResponse:
-        body = {"ready": engine.ready, "models": sorted(engine.models), "errors": engine.errors}
-        if engine.loading:
+        ready = engine.ready and not drain.draining
+        body = {"ready": ready, "models": sorted(engine.models), "errors": engine.errors}
+        if drain.draining:
+            body["reason"] = "draining: the service is shutting down"
+        elif engine.loading:
             body["reason"] = "loading models and running parity gates"
-        elif not engine.ready:
-            body["reason"] = "; ".join(f"{k}: {v}" for k, v in engine.errors.items()) or "no model"
-        return JSONResponse(body, status_code=200 if engine.ready else 503)
+        elif engine.worker_died:
+            body["reason"] = "the decode worker has stopped"
+        elif engine.errors:
+            body["reason"] = "; ".join(f"{k}: {v}" for k, v in engine.errors.items())
+        elif not ready:
+            body["reason"] = "no model"
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/models", summary="Each model: family, config, device, dtype, parity, fallback")
     async def models() -> dict[str, Any]:
@@ -180,25 +337,49 @@ def _install_routes(app: FastAPI, engine: Engine, metrics: Metrics, settings: Se
         "/decode/{model}", summary="Decode one latent (batch allowed)", openapi_extra=BODY_DOC
     )
     async def decode_named(model: str, request: Request) -> Response:
-        return await _handle_decode(request, model, engine, metrics, settings)
+        return await _handle_decode(request, model, engine, metrics, settings, drain)
 
     @app.post("/decode", summary="Decode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=BODY_DOC)
     async def decode_default(request: Request) -> Response:
-        return await _handle_decode(request, None, engine, metrics, settings)
+        return await _handle_decode(request, None, engine, metrics, settings, drain)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it exceeds the limit (not after reading it all)."""
+async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, refused with 413 as soon as it exceeds the limit (not after reading it all),
+    and with 408 when it does not arrive within ``timeout_s`` (a slow-loris upload)."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise ProtocolError(413, f"body of {declared} bytes exceeds the limit of {limit}")
+        raise ProtocolError(413, f"body of {declared[:32]} bytes exceeds the limit of {limit}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ProtocolError(413, f"body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ProtocolError(413, f"body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ProtocolError(408, f"the body did not arrive within {timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise ClientGone from None
     return b"".join(chunks)
+
+
+def _check_declared_shape(params: DecodeParams, content_type: str | None, limit: int) -> None:
+    """A raw body's size follows from shape and dtype: refuse a too-large one unread."""
+    if params.shape is None or (media_type(content_type) or "tensor/binary") not in RAW_TYPES:
+        return
+    size = math.prod(params.shape) * WIRE_DTYPES[params.dtype][1]
+    if size > limit:
+        raise ProtocolError(413, f"shape {params.shape} needs {size} bytes; the limit is {limit}")
+
+
+def _deadline(request: Request, params: DecodeParams, settings: Settings) -> float:
+    """perf_counter time by which the decode must start: the caller's timeout, capped."""
+    header = request.headers.get("x-request-timeout")
+    asked = parse_timeout("X-Request-Timeout", header) if header is not None else params.timeout
+    seconds = min(asked or settings.max_request_timeout_s, settings.max_request_timeout_s)
+    return request.state.started + seconds
 
 
 def _resolve_model(
@@ -223,26 +404,79 @@ def _resolve_model(
 
 
 async def _handle_decode(
-    request: Request, name: str | None, engine: Engine, metrics: Metrics, settings: Settings
+    request: Request,
+    name: str | None,
+    engine: Engine,
+    metrics: Metrics,
+    settings: Settings,
+    drain: Drain,
 ) -> Response:
     started = time.perf_counter()
     timer = PhaseTimer()
-    model_label, output_label, code = name or "-", "-", 500
+    drain.active += 1
     try:
-        response = await _decode(request, name, engine, settings, timer)
-        model_label = response.headers.get("x-model", model_label)
-        output_label = response.headers.get("x-output", "-")
-        code = response.status_code
-    except ProtocolError as exc:
-        code = exc.status
-        headers = {"Retry-After": str(settings.retry_after_s)} if exc.status in (429, 503) else None
-        response = _error(exc.status, exc.body(), headers)
+        response = await _answer(request, name, engine, settings, drain, timer)
+    except BaseException:  # cancelled by a hard shutdown: still account for it
+        drain.active -= 1
+        raise
     response.headers["Server-Timing"] = _server_timing(
         timer.phases(), time.perf_counter() - started
     )
+    finish = _finisher(request, response, name, engine, metrics, drain, timer, started)
+    if isinstance(response, JobStream):
+        response.on_close = finish
+    else:
+        finish(len(response.body))
+    return response
+
+
+async def _answer(
+    request: Request,
+    name: str | None,
+    engine: Engine,
+    settings: Settings,
+    drain: Drain,
+    timer: PhaseTimer,
+) -> Response:
+    """The decode's response, or the JSON error that answers it instead."""
+    try:
+        if drain.draining:
+            raise ProtocolError(503, "the service is shutting down", "retry: another instance")
+        return await _decode(request, name, engine, settings, timer)
+    except ProtocolError as exc:
+        headers = {"Retry-After": str(settings.retry_after_s)} if exc.status in (429, 503) else {}
+        if drain.draining:
+            headers["Connection"] = "close"
+        return _error(exc.status, exc.body(), headers)
+    except ClientGone:
+        return _error(CLIENT_GONE, {"error": "the client disconnected"})
+    except Exception:  # a server bug: answer JSON, keep the request's log line and metrics
+        log.exception("decode request %s failed", request.state.request_id)
+        return _error(500, {"error": "internal server error"})
+
+
+def _finisher(
+    request: Request,
+    response: Response,
+    name: str | None,
+    engine: Engine,
+    metrics: Metrics,
+    drain: Drain,
+    timer: PhaseTimer,
+    started: float,
+) -> Callable[[int], None]:
+    """Metrics and the request's log line, once the whole body has been produced (once)."""
+    code = response.status_code
+    model_label = response.headers.get("x-model", name or "-")
+    output_label = response.headers.get("x-output", "-")
+    done = False
 
     def finish(size: int) -> None:
-        """Metrics and the request's log line, once the whole body has been produced."""
+        nonlocal done
+        if done:
+            return
+        done = True
+        drain.active -= 1
         elapsed, phases = time.perf_counter() - started, timer.phases()
         served = engine.models.get(model_label)
         if code < 400 and served is not None:
@@ -269,11 +503,7 @@ async def _handle_decode(
             remote_ip=request.client.host if request.client else None,
         )
 
-    if isinstance(response, StreamingResponse):
-        response.body_iterator = _counted(response.body_iterator, finish)
-    else:
-        finish(len(response.body))
-    return response
+    return finish
 
 
 async def _decode(
@@ -281,49 +511,35 @@ async def _decode(
 ) -> Response:
     with timer.phase("parse"):
         params = parse_params(list(request.query_params.multi_items()))
+        deadline = _deadline(request, params, settings)
         model = _resolve_model(name, params, engine, settings)
-        body = await _read_body(request, settings.limits().max_body_bytes)
+        limits = model.limits(settings.limits())
+        content_type = request.headers.get("content-type")
+        _check_declared_shape(params, content_type, limits.max_body_bytes)
+        body = await _read_body(request, limits.max_body_bytes, settings.body_timeout_s)
         geo = model.geometry
         kind, fmt = choose_output(params, request.headers.get("accept"), geo.is_video)
-        latent = parse_body(request.headers.get("content-type"), body, params)
-        request.state.shape = list(latent.shape)
-        wire_dtype = latent.dtype
-        latent = to_layout(latent, params, geo)
-        check_limits(latent.float(), geo, settings.limits())
-        if (
-            kind == "image"
-            and latent.shape[0] * (geo.frames_out(latent.shape[2]) if latent.ndim == 5 else 1) != 1
-        ):
-            raise ProtocolError(
-                422,
-                "an image response holds one image; this latent decodes to more",
-                "batch 1 (one frame), or output_type=pt",
-            )
-    job = Job(model, latent.float(), _scaling(params), _options(params), timer)
+        latent = _validated(body, content_type, params, model, limits, kind, request)
+    wire_dtype = latent.dtype
+    job = Job(model, latent.float(), _scaling(params), _options(params), timer, deadline=deadline)
+    job.stall_s = settings.stream_stall_s
     if kind == "mp4":
-        if latent.shape[0] != 1:
-            raise ProtocolError(
-                422,
-                f"an MP4 holds one video; this latent has a batch of {latent.shape[0]}",
-                "batch 1, or output_type=pil|pt",
-            )
         job.stream = queue.Queue(maxsize=2)
     try:
-        future = engine.submit(job)
+        engine.submit(job)
     except QueueFull:
         raise ProtocolError(
             429, "decode queue is full", "retry after Retry-After seconds"
         ) from None
+    except Stopped:
+        raise ProtocolError(
+            503, "the service is shutting down", "retry: another instance"
+        ) from None
     if kind == "mp4":
+        await _outcome(request, job, job.first)  # errors before the first frame are still JSON
         fps = params.fps or model.reference.config.get("fps") or 24
         return _mp4_response(job, fps, model.name)
-    try:
-        decoded = await asyncio.wrap_future(future)
-    except asyncio.CancelledError:
-        future.cancel()  # the client went away: drop the queued work
-        raise
-    except torch.OutOfMemoryError:
-        raise ProtocolError(503, "out of memory decoding this latent", "a smaller latent") from None
+    decoded = await _outcome(request, job, job.future)
     response = await asyncio.to_thread(
         _encode, model, decoded, kind, fmt, params, wire_dtype, timer
     )
@@ -332,23 +548,142 @@ async def _decode(
     return response
 
 
-async def _counted(body: AsyncIterator[bytes], done: Any) -> AsyncIterator[bytes]:
-    """Pass a streamed body through, then report its size (also when the client left)."""
-    size = 0
+def _validated(
+    body: bytes,
+    content_type: str | None,
+    params: DecodeParams,
+    model: ServedModel,
+    limits: Limits,
+    kind: str,
+    request: Request,
+) -> torch.Tensor:
+    """The body as a latent in the model's layout, within its limits, for this output kind."""
+    geo = model.geometry
+    latent = parse_body(content_type, body, params)
+    request.state.shape = list(latent.shape)
+    latent = to_layout(latent, params, geo)
+    check_limits(latent.float(), geo, limits)
+    images = latent.shape[0] * (geo.frames_out(latent.shape[2]) if latent.ndim == 5 else 1)
+    if kind == "image" and images != 1:
+        raise ProtocolError(
+            422,
+            "an image response holds one image; this latent decodes to more",
+            "batch 1 (one frame), or output_type=pt",
+        )
+    if kind == "mp4" and latent.shape[0] != 1:
+        raise ProtocolError(
+            422,
+            f"an MP4 holds one video; this latent has a batch of {latent.shape[0]}",
+            "batch 1, or output_type=pil|pt",
+        )
+    return latent
+
+
+async def _outcome(request: Request, job: Job, future: Future) -> Any:
+    """The worker's answer for ``future``. A job still queued when its client disconnects or
+    its deadline passes is dropped (no worker decodes it); one already started finishes."""
+    waiter = asyncio.wrap_future(future)
+    gone = asyncio.ensure_future(_disconnected(request))
+    deadline = job.deadline
     try:
-        async for chunk in body:
-            size += len(chunk)
-            yield chunk
+        while True:
+            timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
+            done, _ = await asyncio.wait(
+                {waiter, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+            if waiter in done:
+                return _result(waiter, job)
+            if gone in done:
+                job.abandon()
+                raise ClientGone
+            if job.future.cancel():  # still queued at its deadline: refuse it
+                raise _deadline_error(time.perf_counter() - job.enqueued)
+            deadline = None  # it started in time: let it finish
+    except asyncio.CancelledError:
+        job.abandon()
+        raise
     finally:
-        done(size)
+        gone.cancel()
 
 
-def _mp4_response(job: Job, fps: float, model: str) -> StreamingResponse:
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone: with the body read, only a disconnect is left."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.01)
+
+
+def _result(waiter: asyncio.Future, job: Job) -> Any:
+    """A worker outcome -> the value, or the ProtocolError that answers it."""
+    if waiter.cancelled():
+        raise ProtocolError(503, "the decode was cancelled", "retry")
+    exc = waiter.exception()
+    if exc is None:
+        return waiter.result()
+    if isinstance(exc, DeadlineExceeded):
+        raise _deadline_error(exc.waited)
+    if isinstance(exc, Stopped):
+        raise ProtocolError(503, "the service is shutting down", "retry: another instance")
+    if is_oom(exc):
+        raise ProtocolError(503, "out of memory decoding this latent", "a smaller latent")
+    raise ProtocolError(  # a server fault, not bad input: 503, and the worker goes on
+        503,
+        f"decoder of model {job.model.name!r} failed: {type(exc).__name__}: {str(exc)[:200]}",
+        "retry later; the request id is in X-Request-Id",
+    )
+
+
+def _deadline_error(waited: float) -> ProtocolError:
+    return ProtocolError(
+        503,
+        f"deadline exceeded: the decode could not start within the request's timeout "
+        f"(queued {waited:.2f} s)",
+        "a longer X-Request-Timeout, or retry after Retry-After seconds",
+    )
+
+
+class JobStream(StreamingResponse):
+    """A streamed job's response. However it ends (done, client gone, error) the worker is
+    told to stop, and ``on_close`` gets the bytes sent."""
+
+    def __init__(self, job: Job, content: Iterator[bytes], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.job, self.sent = job, 0
+        self.on_close: Callable[[int], None] | None = None
+        self.body_iterator = self._counted(self.body_iterator)
+
+    async def _counted(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in body:
+            self.sent += len(chunk)
+            yield chunk
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def watched() -> Message:
+            # Stop the worker at once: the cancellation that follows a disconnect only lands
+            # once the encoder thread returns, which can be a whole MP4 fragment later.
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.job.abandoned.set()
+            return message
+
+        try:
+            await super().__call__(scope, watched, send)
+        finally:
+            self.job.abandon()
+            if self.on_close is not None:
+                self.on_close(self.sent)
+
+
+def _mp4_response(job: Job, fps: float, model: str) -> JobStream:
     """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes."""
 
     def chunks() -> Iterator[torch.Tensor]:
         while True:
-            item = job.stream.get()
+            try:
+                item = job.stream.get(timeout=0.5)
+            except queue.Empty:
+                if job.abandoned.is_set():
+                    return  # the response ended: stop waiting for frames
+                continue
             if item is None:
                 return
             if isinstance(item, Exception):
@@ -363,7 +698,7 @@ def _mp4_response(job: Job, fps: float, model: str) -> StreamingResponse:
             job.abandoned.set()
 
     headers = {"x-model": model, "x-output": "mp4"}
-    return StreamingResponse(body(), media_type="video/mp4", headers=headers)
+    return JobStream(job, body(), media_type="video/mp4", headers=headers)
 
 
 def _scaling(params: DecodeParams) -> Scaling:

@@ -771,6 +771,17 @@ SYNTHETIC: dict[str, dict[str, Any]] = {
         "latents_mean": [round(0.1 * math.sin(i), 4) for i in range(24)],
         "latents_std": [round(1.0 + 0.2 * math.cos(i), 4) for i in range(24)],
     },
+    # MiniMax-H3-Image: one frame per latent frame, RoPE over (h, w) only
+    "minimax-h3-image-tiny": {
+        **DEFAULTS,
+        "patch_size_t": 1,
+        "decoder_rope_axes": 2,
+        "decoder_num_layers": 2,
+        "decoder_num_attention_heads": 2,
+        "decoder_attention_head_dim": 16,
+        "latents_mean": [round(0.1 * math.cos(i), 4) for i in range(24)],
+        "latents_std": [round(1.0 + 0.2 * math.sin(i), 4) for i in range(24)],
+    },
 }
 
 
