@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCHES = {"flux": "bench.flux", "minimax-h3": "bench.minimax_h3", "taesd": "bench.taesd"}
+BENCHES = {
+    "flux": "bench.flux",
+    "ltx": "bench.ltx",
+    "minimax-h3": "bench.minimax_h3",
+    "taesd": "bench.taesd",
+}
 
 
 def main() -> None:

@@ -1,0 +1,306 @@
+"""LTX-Video 0.9.1 decoder: the service's decoder vs diffusers' AutoencoderKLLTXVideo, same weights.
+
+    python -m bench ltx [--frames 3] [--size 256] [--repeats 2] [--chunk 1] [--threads N]
+                        [--only SUBSTR ...] [--force-bf16] [--device cpu|cuda]
+
+The decoder is LTX-Video 0.9.1's (``CONFIG_091``: widths 256/512/1024 with 2x residual
+upsamplers, so its resnets run at 1024 (mid), 512, 256, 128 channels; layers 8/7/6/5 from the
+mid block up; timestep conditioning; noise injection in the mid block and the first two up
+blocks; 754 M parameters, 3 GB in float32) with trained-like seeded weights
+(``ltx.init_synthetic``). diffusers' model holds the very same tensors (built on the meta
+device, ``load_state_dict(assign=True)``: no copy, no encoder). Both decode one seeded N(0,1)
+latent ``[1, 128, frames, size/32, size/32]`` at timestep 0.05 with noise seed 0 (diffusers
+draws its noise from the global RNG, seeded alike), so their outputs are comparable.
+
+Every variant runs in a fresh subprocess (same weights, same threads): it builds its model,
+warms up on a one-frame 2x2 latent, then times ``--repeats`` decodes (median) and reports the
+peak memory of those decodes above what it held before them (CPU: the process's VmHWM after
+resetting it, weights excluded, output included; CUDA: ``max_memory_allocated``). Its output
+comes back through a temp file and is compared with diffusers fp32's (cosine, max-abs).
+FLOPs are counted on the meta device (convs and GEMMs; no compute), and the rate is set
+against this run's GEMM rate for the variant's dtype. bf16 variants are skipped when this
+machine's bf16 GEMM runs below 1/4 of float32's (AVX2 CPUs emulate bf16; oneDNN refuses
+bf16 convs there): ``--force-bf16`` runs them anyway.
+
+Variants: diffusers fp32 (its default), fp32 with ``channels_last_3d``, bf16; the service's
+decoder in one pass (``chunk_frames=0``), in temporal chunks of ``--chunk`` latent frames
+(exact; the full output is assembled), streamed (``iter_decode`` chunks turned into uint8
+frames and dropped, as the MP4 path feeds ffmpeg: nothing is kept, so no cosine), and bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLLTXVideo
+
+from app import video
+from app.decoders import ltx
+from app.decoders.ops import cosine
+from app.fastpath import Path as ServePath
+from app.fastpath import make_fast
+from bench import common
+
+CONFIG_091 = {
+    **ltx.DEFAULTS,
+    "decoder_block_out_channels": [256, 512, 1024],
+    "decoder_layers_per_block": [5, 6, 7, 8],
+    "decoder_spatio_temporal_scaling": [True, True, True],
+    "decoder_inject_noise": [True, True, True, False],
+    "upsample_residual": [True, True, True],
+    "upsample_factor": [2, 2, 2],
+    "timestep_conditioning": True,
+}
+TIMESTEP = 0.05  # LTX-Video 0.9.1's recommended decode_timestep
+SEED = 0
+PEER = "diffusers fp32"  # the oracle for the cosine column
+Decode = Callable[[torch.Tensor], torch.Tensor | None]
+
+
+def build_ours(seed: int = 0) -> ltx.Decoder:
+    with torch.device("meta"):
+        ours = ltx.Decoder(CONFIG_091)
+    ours = ours.to_empty(device="cpu")
+    ours._register_latent_stats()  # non-persistent buffers: to_empty left them uninitialized
+    ltx.init_synthetic(ours, torch.Generator().manual_seed(seed))
+    return ours.eval().requires_grad_(False)
+
+
+def build_peer(ours: ltx.Decoder) -> AutoencoderKLLTXVideo:
+    """diffusers' VAE holding ``ours``' tensors (shared), its encoder dropped."""
+    cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in CONFIG_091.items()}
+    with torch.device("meta"):
+        ref = AutoencoderKLLTXVideo(
+            latent_channels=cfg["latent_channels"],
+            decoder_block_out_channels=cfg["decoder_block_out_channels"],
+            decoder_layers_per_block=cfg["decoder_layers_per_block"],
+            decoder_spatio_temporal_scaling=cfg["decoder_spatio_temporal_scaling"],
+            decoder_inject_noise=cfg["decoder_inject_noise"],
+            upsample_residual=cfg["upsample_residual"],
+            upsample_factor=cfg["upsample_factor"],
+            timestep_conditioning=True,
+        )
+    ref.decoder.load_state_dict(ours.state_dict(), strict=True, assign=True)
+    del ref.encoder
+    return ref.eval().requires_grad_(False)
+
+
+def latent(frames: int, size: int) -> torch.Tensor:
+    cells = size // 32
+    return torch.randn((1, 128, frames, cells, cells), generator=torch.Generator().manual_seed(1))
+
+
+def variants(chunk: int) -> dict[str, Callable[[torch.device], Decode]]:
+    """name -> make(device) -> decode(z). Each is built in its own process."""
+
+    def peer(dtype: torch.dtype, channels_last: bool) -> Callable[[torch.device], Decode]:
+        def make(device: torch.device) -> Decode:
+            ref = build_peer(build_ours()).to(device=device, dtype=dtype)
+            if channels_last:
+                ref = ref.to(memory_format=torch.channels_last_3d)
+
+            def decode(z: torch.Tensor) -> torch.Tensor:
+                temb = torch.full((z.shape[0],), TIMESTEP, device=device, dtype=dtype)
+                torch.manual_seed(SEED)
+                return ref.decode(z.to(device, dtype), temb).sample
+
+            return decode
+
+        return make
+
+    def service(dtype: torch.dtype, chunk_frames: int) -> Callable[[torch.device], Decode]:
+        def make(device: torch.device) -> Decode:
+            model = make_fast(build_ours(), device, ServePath(dtype))  # what the gate serves
+            opts = {"timestep": TIMESTEP, "seed": SEED, "chunk_frames": chunk_frames}
+            return lambda z: model.decode(z.to(device), **opts)
+
+        return make
+
+    def streamed(device: torch.device) -> Decode:
+        model = make_fast(build_ours(), device, ServePath(torch.float32))
+        opts = {"timestep": TIMESTEP, "seed": SEED, "chunk_frames": chunk}
+
+        def decode(z: torch.Tensor) -> None:
+            for piece in model.iter_decode(z.to(device), **opts):
+                video.to_uint8(model.to_unit(piece))  # what the MP4 path hands ffmpeg
+            return None
+
+        return decode
+
+    return {
+        PEER: peer(torch.float32, False),
+        "diffusers fp32+CL3d": peer(torch.float32, True),
+        "diffusers bf16": peer(torch.bfloat16, False),
+        "service one pass": service(torch.float32, 0),
+        f"service chunked ({chunk})": service(torch.float32, chunk),
+        f"service streamed ({chunk})": streamed,
+        "service bf16 chunked": service(torch.bfloat16, chunk),
+    }
+
+
+# --- parent -------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child:
+        return _child(args)
+    device = torch.device(args.device)
+    print(f"machine: {common.machine()}")
+    rates = {d: common.gemm_rate(d, device) for d in (torch.float32, torch.bfloat16)}
+    print(
+        "GEMM rate: " + ", ".join(f"{str(d)[6:]} {r / 1e9:.0f} GFLOP/s" for d, r in rates.items())
+    )
+    flops = count_flops(args.frames, args.size)
+    frames_out = 1 + 8 * (args.frames - 1)
+    print(
+        f"LTX-Video 0.9.1 decoder, latent [1,128,{args.frames},{args.size // 32},"
+        f"{args.size // 32}] -> {frames_out} frames of {args.size}x{args.size}: "
+        f"{flops / 1e12:.2f} TFLOP (meta-device count)"
+    )
+    slow_bf16 = rates[torch.bfloat16] < rates[torch.float32] / 4 and not args.force_bf16
+    if slow_bf16:
+        print(
+            f"bf16 GEMM {rates[torch.bfloat16] / 1e9:.1f} GFLOP/s < 1/4 of fp32: bf16 is emulated "
+            "on this CPU (no AVX512-BF16/AMX): bf16 variants skipped (--force-bf16 runs them)"
+        )
+    names = [
+        n
+        for n in variants(args.chunk)
+        if not (args.only and not any(o in n for o in args.only))
+        and not (slow_bf16 and "bf16" in n)
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        outputs: dict[str, Path] = {}
+        for name in names:
+            out = Path(tmp) / f"{len(outputs)}.pt"
+            result = _spawn(args, name, out)
+            if out.exists():
+                outputs[name] = out
+            rows.append(result)
+            print(
+                f"  {name:26s} {result['seconds']:8.2f} s  peak {result['peak_bytes'] / 2**20:7.0f} MiB"
+                f"  (build {result['build_s']:.0f} s)",
+                flush=True,
+            )
+        _compare(rows, outputs)
+    _report(rows, flops, rates, args)
+
+
+def count_flops(frames: int, size: int) -> int:
+    """FLOPs of one decode (convs and GEMMs), counted on the meta device: no compute."""
+    with torch.device("meta"):
+        model = ltx.Decoder(CONFIG_091)
+    z = torch.empty((1, 128, frames, size // 32, size // 32), device="meta")
+    return common.count_flops(lambda: model.decode(z, timestep=TIMESTEP, chunk_frames=0))
+
+
+def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
+    command = [sys.executable, "-m", "bench", "ltx", "--child", name, "--out", str(out)]
+    command += ["--frames", str(args.frames), "--size", str(args.size), "--chunk", str(args.chunk)]
+    command += ["--repeats", str(args.repeats), "--device", args.device]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"variant {name!r} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _compare(rows: list[dict], outputs: dict[str, Path]) -> None:
+    if PEER not in outputs:
+        return
+    expected = torch.load(outputs[PEER])
+    for row in rows:
+        path = outputs.get(row["variant"])
+        if path is None:
+            continue
+        got = torch.load(path)
+        row["cos"] = cosine(got, expected)
+        row["max_abs"] = (got - expected).abs().max().item()
+
+
+def _report(rows: list[dict], flops: int, rates: dict, args: argparse.Namespace) -> None:
+    peers = [r for r in rows if r["variant"].startswith("diffusers")]
+    best = min(peers, key=lambda r: r["seconds"]) if peers else None
+    where = "CUDA max_memory_allocated" if args.device == "cuda" else "VmHWM above the loaded model"
+    print(
+        f"\n| variant | median s | vs {best['variant'] if best else '-'} | TFLOP/s | of GEMM rate "
+        f"| peak MiB ({where}) | cos vs {PEER} | max-abs |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        dtype = torch.bfloat16 if "bf16" in r["variant"] else torch.float32
+        rate = flops / r["seconds"]
+        ratio = f"{best['seconds'] / r['seconds']:.2f}x" if best else "-"
+        cos = f"{r['cos']:.9f}" if "cos" in r else "- (not kept)"
+        err = f"{r['max_abs']:.1e}" if "max_abs" in r else "-"
+        print(
+            f"| {r['variant']} | {r['seconds']:.2f} | {ratio} | {rate / 1e12:.3f} "
+            f"| {rate / rates[dtype]:.0%} | {r['peak_bytes'] / 2**20:.0f} | {cos} | {err} |"
+        )
+
+
+# --- one variant, in its own process --------------------------------------------------------
+@torch.inference_mode()
+def _child(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    decode = variants(args.chunk)[args.child](device)
+    build_s = time.perf_counter() - t0
+    decode(torch.randn(1, 128, 1, 2, 2))  # lazily created state, outside the measurement
+    z = latent(args.frames, args.size)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        common.reset_peak_rss()
+        base = common.rss_bytes()
+    times, out = [], None
+    for _ in range(args.repeats):
+        out = None  # the previous output is not part of the next decode's peak
+        t1 = time.perf_counter()
+        out = decode(z)
+        common.sync(device)
+        times.append(time.perf_counter() - t1)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = common.peak_rss_bytes() - base
+    if out is not None:
+        torch.save(out.float().cpu(), args.out)
+    result = {
+        "variant": args.child,
+        "seconds": statistics.median(times),
+        "times": times,
+        "peak_bytes": peak,
+        "build_s": build_s,
+    }
+    print(json.dumps(result))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--frames", type=int, default=3, help="latent frames (default 3)")
+    parser.add_argument("--size", type=int, default=256, help="output pixels per side")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=1, help="latent frames per chunk")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", nargs="*", help="substrings of variant names to run")
+    parser.add_argument("--force-bf16", action="store_true", help="run bf16 even when slow")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+
+
+if __name__ == "__main__":
+    sys.exit("run as: python -m bench ltx ...")
