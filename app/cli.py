@@ -89,21 +89,19 @@ def _bake(args: argparse.Namespace) -> int:
     import torch
 
     from app.decoders import FAMILIES, family_module
-    from app.store import list_models, write_model
+    from app.store import WEIGHTS, list_models, write_model
 
-    done = set(list_models(Path(args.models_dir)))
+    store = Path(args.models_dir)
+    done = {n for n in list_models(store) if (store / n / WEIGHTS).is_file()}
     for family in FAMILIES:
-        try:
-            module = family_module(family)
-        except ImportError:
-            continue
+        module = family_module(family)
         for name, config in getattr(module, "SYNTHETIC", {}).items():
             if (args.only and name not in args.only) or (name in done and not args.force):
                 continue
             decoder = module.Decoder(config)
             module.init_synthetic(decoder, torch.Generator().manual_seed(0))
             write_model(
-                Path(args.models_dir),
+                store,
                 name,
                 family,
                 config,
