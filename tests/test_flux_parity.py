@@ -88,24 +88,18 @@ def test_flux2_denormalize_matches_pipeline():
     assert torch.allclose(got, expected, atol=1e-6)
 
 
-def test_upsample_rewrite_is_exact():
-    torch.manual_seed(0)
+def _small_flux1() -> flux.Decoder:
+    """Our decoder holding the weights of a small diffusers FLUX.1-style decoder."""
     ref = _pair(AutoencoderKL, dict(latent_channels=16, use_post_quant_conv=False))
-    ours = flux.Decoder(
-        {
-            "latent_channels": 16,
-            "block_out_channels": [32, 64],
-            "layers_per_block": 1,
-            "norm_num_groups": 8,
-        }
-    )
-    ours.load_state_dict(
-        {
-            k.removeprefix("decoder."): v
-            for k, v in ref.state_dict().items()
-            if k.startswith("decoder.")
-        }
-    )
+    config = {"latent_channels": 16, "block_out_channels": [32, 64], "layers_per_block": 1}
+    ours = flux.Decoder({**config, "norm_num_groups": 8})
+    decoder = {k: v for k, v in ref.state_dict().items() if k.startswith("decoder.")}
+    ours.load_state_dict({k.removeprefix("decoder."): v for k, v in decoder.items()})
+    return ours
+
+
+def test_upsample_rewrite_is_exact():
+    ours = _small_flux1()
     z = torch.randn(1, 16, 7, 9)
     with torch.no_grad():
         plain = ours.decode(z)
@@ -117,22 +111,7 @@ def test_upsample_rewrite_is_exact():
 
 def test_banded_path_is_exact():
     """Row bands with gathered GroupNorm statistics equal the whole-tensor decode."""
-    ref = _pair(AutoencoderKL, dict(latent_channels=16, use_post_quant_conv=False))
-    ours = flux.Decoder(
-        {
-            "latent_channels": 16,
-            "block_out_channels": [32, 64],
-            "layers_per_block": 1,
-            "norm_num_groups": 8,
-        }
-    )
-    ours.load_state_dict(
-        {
-            k.removeprefix("decoder."): v
-            for k, v in ref.state_dict().items()
-            if k.startswith("decoder.")
-        }
-    )
+    ours = _small_flux1()
     z = torch.randn(2, 16, 13, 11)
     with torch.no_grad():
         plain = ours.decode(z)
