@@ -90,6 +90,7 @@ def build_peer(ours: ltx.Decoder) -> AutoencoderKLLTXVideo:
             timestep_conditioning=True,
         )
     ref.decoder.load_state_dict(ours.state_dict(), strict=True, assign=True)
+    ref.latents_mean, ref.latents_std = ours.latents_mean.clone(), ours.latents_std.clone()
     del ref.encoder
     return ref.eval().requires_grad_(False)
 
