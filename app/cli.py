@@ -73,14 +73,17 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.config import Settings
+    from app.logging_json import uvicorn_kwargs
     from app.service import create_app
 
     settings = Settings(models_dir=Path(args.models_dir))
-    app = create_app(settings)
-    from app.logging_json import uvicorn_kwargs
-
     uvicorn.run(
-        app, host=args.host, port=args.port, timeout_graceful_shutdown=10, **uvicorn_kwargs()
+        create_app(settings),
+        host=args.host,
+        port=args.port,
+        timeout_graceful_shutdown=settings.drain_grace_s,
+        server_header=False,  # no version banner for scanners
+        **uvicorn_kwargs(),
     )
     return 0
 

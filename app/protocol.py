@@ -25,6 +25,7 @@ WIRE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "bfloat16": (torch.bfloat16, 2),
 }
 RAW_TYPES = {"tensor/binary", "application/octet-stream"}
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 SAFETENSORS_TYPE = "application/x-safetensors"
 NPY_TYPE = "application/x-npy"
 
@@ -383,6 +384,19 @@ def check_limits(tensor: Tensor, geo: ModelGeometry, limits: Limits) -> None:
             raise ProtocolError(413, f"{frames} output frames exceed the limit {limits.max_frames}")
     if not torch.isfinite(tensor).all():
         raise ProtocolError(422, "latent contains NaN or Inf values", "finite numbers")
+
+
+def check_scaling(tensor: Tensor, params: DecodeParams) -> None:
+    """Explicit factors must keep the de-normalized latent finite in float32."""
+    if params.scaling_factor is None and params.shift_factor is None:
+        return
+    peak = float(tensor.abs().max()) / abs(params.scaling_factor or 1.0)
+    if not peak + abs(params.shift_factor or 0.0) < FLOAT32_MAX:
+        raise ProtocolError(
+            422,
+            "scaling_factor/shift_factor take this latent past the float32 range",
+            "factors that keep z / scaling_factor + shift_factor finite",
+        )
 
 
 def choose_output(

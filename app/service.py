@@ -52,6 +52,7 @@ from app.protocol import (
     Limits,
     ProtocolError,
     check_limits,
+    check_scaling,
     choose_output,
     media_type,
     parse_body,
@@ -521,8 +522,8 @@ async def _decode(
         kind, fmt = choose_output(params, request.headers.get("accept"), geo.is_video)
         latent = _validated(body, content_type, params, model, limits, kind, request)
     wire_dtype = latent.dtype
-    job = Job(model, latent.float(), _scaling(params), _options(params), timer, deadline=deadline)
-    job.stall_s = settings.stream_stall_s
+    job = Job(model, latent.float(), _scaling(params), _options(params), timer)
+    job.deadline, job.stall_s = deadline, settings.stream_stall_s
     if kind == "mp4":
         job.stream = queue.Queue(maxsize=2)
     try:
@@ -563,6 +564,7 @@ def _validated(
     request.state.shape = list(latent.shape)
     latent = to_layout(latent, params, geo)
     check_limits(latent.float(), geo, limits)
+    check_scaling(latent, params)
     images = latent.shape[0] * (geo.frames_out(latent.shape[2]) if latent.ndim == 5 else 1)
     if kind == "image" and images != 1:
         raise ProtocolError(
@@ -604,6 +606,7 @@ async def _outcome(request: Request, job: Job, future: Future) -> Any:
         raise
     finally:
         gone.cancel()
+        waiter.cancel()  # no-op once done; else no "exception never retrieved" later
 
 
 async def _disconnected(request: Request) -> None:
@@ -676,14 +679,22 @@ class JobStream(StreamingResponse):
 def _mp4_response(job: Job, fps: float, model: str) -> JobStream:
     """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes."""
 
+    # "encode" is ffmpeg's share alone: the waits for decoded frames (the decoder's own
+    # phases) and for the client to read (suspended at yield) are taken out.
+    elsewhere = 0.0
+
     def chunks() -> Iterator[torch.Tensor]:
+        nonlocal elsewhere
         while True:
+            t0 = time.perf_counter()
             try:
                 item = job.stream.get(timeout=0.5)
             except queue.Empty:
                 if job.abandoned.is_set():
                     return  # the response ended: stop waiting for frames
                 continue
+            finally:
+                elsewhere += time.perf_counter() - t0
             if item is None:
                 return
             if isinstance(item, Exception):
@@ -691,10 +702,15 @@ def _mp4_response(job: Job, fps: float, model: str) -> JobStream:
             yield item
 
     def body() -> Iterator[bytes]:
+        nonlocal elsewhere
+        started = time.perf_counter()
         try:
-            with job.timer.phase("encode"):
-                yield from encode_mp4(iter_frames(chunks()), fps)
+            for data in encode_mp4(iter_frames(chunks()), fps):
+                t0 = time.perf_counter()
+                yield data
+                elsewhere += time.perf_counter() - t0
         finally:
+            job.timer.add("encode", max(0.0, time.perf_counter() - started - elsewhere))
             job.abandoned.set()
 
     headers = {"x-model": model, "x-output": "mp4"}

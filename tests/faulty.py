@@ -1,0 +1,220 @@
+"""Fault injection for tests: a decoder family that fails on demand, and a real server process.
+
+The ``faulty`` family is known only inside ``registered()`` (app/decoders is never edited).
+
+The decoder is a 1x1 conv to RGB and a nearest upsample, frame by frame for the video
+variant (config ``video: true``, latent ``[B, 4, T, H, W]``, streamed one frame a chunk):
+exact enough in bf16 to pass the parity gate, cheap enough for load tests. The first latent
+cell of each batch row says what to do (the probe latent is N(0,1), so it never asks):
+
+    z[b, 0, ...0] command, z[b, 1, ...0] its argument ``arg``, z[b, 2, ...0] a tag
+
+    OOM_FAST     OutOfMemoryError on the fast path, tiled or not, at frame ``arg``
+    OOM_UNTILED  OutOfMemoryError on the fast path unless decoding tiled, at frame ``arg``
+    OOM_ALL      OutOfMemoryError on every path, at frame ``arg``
+    CRASH        RuntimeError on every path, at frame ``arg``
+    SLEEP        sleep ``arg`` seconds (per frame)
+
+``DECODED`` records (tag, path, frame) for every frame decoded; images are frame 0.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from app.decoders import FAMILIES
+from app.decoders.base import VAEDecoder
+from app.store import write_model
+from app.timing import NULL_TIMER, PhaseTimer
+from tests.live import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAMILY = "faulty"
+OOM_FAST, OOM_UNTILED, CRASH, SLEEP, OOM_ALL = 1001.0, 1002.0, 1003.0, 1004.0, 1005.0
+CONFIG = {"latent_channels": 4, "scale": 8}
+DECODED: list[tuple[float, str, int]] = []  # (tag, "fast" | "tiled" | "cpu", frame)
+_lock = threading.Lock()
+
+
+def register() -> None:
+    """Make ``faulty`` a known family for this process (app/decoders is not edited)."""
+    FAMILIES[FAMILY] = __name__
+
+
+@contextmanager
+def registered() -> Iterator[None]:
+    """``faulty`` is a known family inside the block only (other tests see the real list)."""
+    register()
+    try:
+        yield
+    finally:
+        FAMILIES.pop(FAMILY, None)
+
+
+class Decoder(VAEDecoder):
+    family = FAMILY
+    output_space = "signed"
+    # the engine's OOM retry decodes tiled with these options before it falls back to the CPU
+    tiled_retry_options = {"tile": True}
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        self.is_video = bool(config.get("video", False))  # shadows the class default
+        self.proj = nn.Conv2d(int(config["latent_channels"]), 3, 1)
+
+    @property
+    def latent_channels(self) -> int:
+        return int(self.config["latent_channels"])
+
+    @property
+    def spatial_scale(self) -> int:
+        return int(self.config["scale"])
+
+    def decode(self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any) -> Tensor:
+        if z.ndim == 5:
+            return torch.cat(list(self.iter_decode(z, timer, **options)), dim=2)
+        return self._frame(z, 0, _commands(z), timer, options)
+
+    def iter_decode(
+        self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any
+    ) -> Iterator[Tensor]:
+        if z.ndim == 4:
+            yield self.decode(z, timer, **options)
+            return
+        rows = _commands(z)
+        for t in range(z.shape[2]):
+            yield self._frame(z[:, :, t], t, rows, timer, options).unsqueeze(2)
+
+    def _frame(
+        self, z: Tensor, t: int, rows: list[list[float]], timer: PhaseTimer, options: dict
+    ) -> Tensor:
+        fast = self.proj.weight.dtype != torch.float32
+        path = "cpu" if not fast else "tiled" if options.get("tile") else "fast"
+        for command, arg, _ in rows:
+            _act(command, arg, t, fast, path)
+        with _lock:
+            DECODED.extend((tag, path, t) for _, _, tag in rows)
+        with timer.phase("conv_in"):
+            x = self.proj(z.to(self.proj.weight.dtype))
+        with timer.phase("up_0"):
+            return F.interpolate(x, scale_factor=self.spatial_scale, mode="nearest").clamp(-1, 1)
+
+
+def _commands(z: Tensor) -> list[list[float]]:
+    """(command, arg, tag) of every batch row: its first three channels' first cells."""
+    return [[float(v) for v in row] for row in z.flatten(2)[:, :3, 0]]
+
+
+def _act(command: float, arg: float, t: int, fast: bool, path: str) -> None:
+    if command == SLEEP:
+        time.sleep(arg)
+    if command not in (OOM_FAST, OOM_UNTILED, OOM_ALL, CRASH) or t != int(arg):
+        return
+    if command == OOM_ALL or (fast and command == OOM_FAST):
+        raise torch.OutOfMemoryError(f"injected out of memory on the {path} path")
+    if fast and command == OOM_UNTILED and path == "fast":
+        raise torch.OutOfMemoryError("injected out of memory on the untiled path")
+    if command == CRASH:
+        raise RuntimeError("injected decoder fault")
+
+
+def init_synthetic(decoder: Decoder, generator: torch.Generator) -> None:
+    """Weights exact in bf16, so the fast path passes the gate."""
+    with torch.no_grad():
+        decoder.proj.weight.copy_(torch.tensor([0.5, -0.25, 0.125]).view(3, 1, 1, 1) / 4)
+        decoder.proj.bias.zero_()
+
+
+def bake(store: Path, name: str = "faulty", **config: Any) -> None:
+    """Write a faulty model into ``store`` (inside ``registered()``; the config may carry
+    limits)."""
+    decoder = Decoder({**CONFIG, **config})
+    init_synthetic(decoder, torch.Generator())
+    write_model(store, name, FAMILY, {**CONFIG, **config}, decoder.state_dict(), source="test")
+
+
+def latent(
+    command: float = 0.0, arg: float = 0.0, tag: float = 0.0, size: int = 4, frames: int = 0
+) -> Tensor:
+    """A [1, 4, size, size] latent (or [1, 4, frames, size, size]) carrying a command."""
+    z = torch.zeros(1, CONFIG["latent_channels"], *((frames,) if frames else ()), size, size)
+    z.view(1, CONFIG["latent_channels"], -1)[0, :3, 0] = torch.tensor([command, arg, tag])
+    return z
+
+
+def decoded(tag: float) -> list[tuple[str, int]]:
+    """(path, frame) of every frame decoded for ``tag``, in order."""
+    with _lock:
+        return [(path, t) for got, path, t in DECODED if got == tag]
+
+
+def decoded_tags() -> list[float]:
+    with _lock:
+        return [tag for tag, _, _ in DECODED]
+
+
+# --- a real `python -m app serve` process (drain and load tests) ------------------------
+
+
+@contextmanager
+def serve_process(store: Path, log: Path, **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m app serve`` on a loopback port, one torch thread; yields (url, process)
+    once /readyz answers 200. Its output goes to ``log`` (a pipe could fill and block it)."""
+    port = free_port()
+    environ = {
+        **os.environ,
+        "VAE_DEVICE": "cpu",
+        "VAE_DTYPE": "float32",
+        "VAE_THREADS": "1",
+        "VAE_LOG_FORMAT": "text",
+        **env,
+    }
+    cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--models-dir", str(store)], cwd=ROOT, env=environ, stdout=out, stderr=out
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, proc, log)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"server not ready in {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")

@@ -1,0 +1,540 @@
+"""Reliability and security: deadlines, disconnects, body limits, faults, broken stores, auth,
+safe headers, drain on SIGTERM. Servers are real uvicorn on loopback, models tiny."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import imageio_ffmpeg
+import numpy as np
+import pytest
+import requests
+import torch
+from fastapi.testclient import TestClient
+from starlette.requests import Request
+
+from app.config import Settings
+from app.engine import DeadlineExceeded, Engine, Job, _admit
+from app.metrics import Metrics
+from app.protocol import parse_params
+from app.service import _deadline, create_app
+from app.store import StoreError, check_name, load_model
+from tests import faulty
+from tests.live import TINY_FLUX, bake, live_server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def faulty_family():
+    with faulty.registered():
+        yield
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("faulty-store")
+    faulty.bake(store, "faulty")
+    faulty.bake(store, "faulty-small", max_pixels=32 * 32)  # a manifest that tightens a limit
+    faulty.bake(store, "faulty-video", video=True)
+    return store
+
+
+@pytest.fixture(scope="module")
+def server(store):
+    """bf16 on the CPU: the fast path is a copy, so the CPU path is a real fallback."""
+    limits = dict(max_batch=4, queue_depth=8, max_body_mb=1, body_timeout_s=1.0)
+    with live_server(store, device="cpu", dtype="bfloat16", **limits) as url:
+        yield url
+
+
+def post(url: str, z: torch.Tensor, model: str = "faulty", headers=None, **params):
+    return requests.post(
+        f"{url}/decode/{model}",
+        data=z.numpy().tobytes(),
+        params={"shape": json.dumps(list(z.shape)), "output_type": "pt", **params},
+        headers={"Content-Type": "tensor/binary", **(headers or {})},
+        timeout=30,
+    )
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of the exposition (0 when absent)."""
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def occupy(url: str, seconds: float, tag: float) -> threading.Thread:
+    """Keep the single worker busy for ``seconds``; returns the running caller thread."""
+    thread = threading.Thread(target=post, args=(url, faulty.latent(faulty.SLEEP, seconds, tag)))
+    thread.start()
+    time.sleep(0.15)  # the worker has taken it
+    return thread
+
+
+# --- faults ------------------------------------------------------------------------------
+
+
+def test_oom_retries_tiled_then_on_the_cpu_path_and_counts_it(server):
+    before = {
+        p: metric(server, "vae_retries_total", model="faulty", path=p) for p in ("tiled", "cpu")
+    }
+    r = post(server, faulty.latent(faulty.OOM_UNTILED, tag=31))
+    assert r.status_code == 200, r.text
+    r = post(server, faulty.latent(faulty.OOM_FAST, tag=30))
+    assert r.status_code == 200, r.text
+    assert faulty.decoded(31) == [("tiled", 0)] and faulty.decoded(30) == [("cpu", 0)]
+    after = {p: metric(server, "vae_retries_total", model="faulty", path=p) for p in before}
+    assert after["tiled"] - before["tiled"] == 2 and after["cpu"] - before["cpu"] == 1
+
+
+def test_oom_on_every_path_is_a_json_503(server):
+    r = post(server, faulty.latent(faulty.OOM_ALL))
+    assert r.status_code == 503 and "out of memory" in r.json()["error"]
+    assert int(r.headers["Retry-After"]) >= 1
+
+
+def test_a_decoder_crash_fails_only_its_request(server):
+    """A crash inside a micro-batch: the batch is split, the others still get their output."""
+    worker = occupy(server, 0.6, tag=50)
+    results: dict[float, requests.Response] = {}
+
+    def call(command: float, tag: float) -> None:
+        results[tag] = post(server, faulty.latent(command, tag=tag))
+
+    calls = [(faulty.CRASH, 51), (0.0, 52), (0.0, 53), (0.0, 54)]
+    threads = [threading.Thread(target=call, args=c) for c in calls]
+    for t in threads:
+        t.start()
+    for t in [worker, *threads]:
+        t.join()
+    crash = results[51]
+    assert crash.status_code == 503, crash.text
+    assert "decoder" in crash.json()["error"] and "RuntimeError" in crash.json()["error"]
+    assert all(results[t].status_code == 200 for t in (52, 53, 54))
+    assert {52, 53, 54} <= set(faulty.decoded_tags())
+    assert post(server, faulty.latent(tag=55)).status_code == 200  # the worker goes on
+
+
+def post_mp4(url: str, z: torch.Tensor, **kwargs) -> requests.Response:
+    return requests.post(
+        f"{url}/decode/faulty-video",
+        data=z.numpy().tobytes(),
+        params={"shape": json.dumps(list(z.shape)), "output_type": "mp4"},
+        headers={"Content-Type": "tensor/binary", **kwargs.pop("headers", {})},
+        timeout=30,
+        **kwargs,
+    )
+
+
+def mp4_frames(data: bytes, tmp_path: Path) -> int:
+    path = tmp_path / "out.mp4"
+    path.write_bytes(data)
+    reader = imageio_ffmpeg.read_frames(str(path))
+    next(reader)
+    return sum(1 for _ in reader)
+
+
+def test_a_stream_that_fails_before_its_first_frame_is_a_json_503(server):
+    r = post_mp4(server, faulty.latent(faulty.CRASH, 0, tag=90, frames=3))
+    assert r.status_code == 503 and "RuntimeError" in r.json()["error"]
+
+
+def test_a_stream_out_of_memory_mid_video_resumes_on_the_cpu_path(server, tmp_path):
+    """Frames 0-2 go out from the fast path; the rest come from the CPU path, none twice."""
+    r = post_mp4(server, faulty.latent(faulty.OOM_FAST, 3, tag=91, frames=6))
+    assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+    assert mp4_frames(r.content, tmp_path) == 6
+    served = faulty.decoded(91)
+    assert served[:3] == [("fast", 0), ("fast", 1), ("fast", 2)]
+    assert served[-3:] == [("cpu", 3), ("cpu", 4), ("cpu", 5)]
+
+
+def test_a_stream_stops_decoding_when_its_client_leaves(server):
+    with post_mp4(server, faulty.latent(faulty.SLEEP, 0.05, tag=92, frames=60), stream=True) as r:
+        assert r.status_code == 200
+        next(r.iter_content(64))  # the stream is flowing; now hang up
+    time.sleep(0.8)
+    frames = len(faulty.decoded(92))
+    time.sleep(0.5)
+    # stopped at once, not when the encoder next wrote (a fragment is 2 s of video: 48 frames)
+    assert frames < 20 and len(faulty.decoded(92)) == frames
+    assert post(server, faulty.latent(tag=93)).status_code == 200
+
+
+# --- admission: deadlines and disconnects ------------------------------------------------
+
+
+def test_a_request_that_cannot_start_by_its_deadline_is_refused_not_decoded(server):
+    worker = occupy(server, 1.0, tag=60)
+    t0 = time.perf_counter()
+    by_header = post(server, faulty.latent(tag=61), headers={"X-Request-Timeout": "0.25"})
+    elapsed = time.perf_counter() - t0
+    by_param = post(server, faulty.latent(tag=62), timeout="0.2")
+    by_stream = post_mp4(
+        server, faulty.latent(tag=63, frames=2), headers={"X-Request-Timeout": "0.2"}
+    )
+    worker.join()
+    time.sleep(0.2)
+    for r in (by_header, by_param, by_stream):
+        assert r.status_code == 503 and "deadline" in r.json()["error"], r.text
+        assert int(r.headers["Retry-After"]) >= 1
+    assert elapsed < 0.9  # answered at its deadline, not when the worker got to it
+    assert not {61, 62, 63} & set(faulty.decoded_tags())
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "nan", "inf"])
+def test_a_bad_timeout_is_a_422(server, value):
+    r = post(server, faulty.latent(), headers={"X-Request-Timeout": value})
+    assert r.status_code == 422 and "X-Request-Timeout" in r.json()["error"]
+
+
+def test_the_server_caps_the_deadline():
+    scope = {"type": "http", "headers": [(b"x-request-timeout", b"1e6")], "state": {}}
+    request = Request(scope)
+    request.state.started = 100.0
+    params = parse_params([])
+    assert _deadline(request, params, Settings(max_request_timeout_s=5)) == 105.0
+    scope["headers"] = []
+    assert _deadline(Request(scope), params, Settings(max_request_timeout_s=7)) == 107.0
+
+
+def test_the_worker_refuses_a_job_whose_deadline_passed():
+    job = Job(None, torch.zeros(1), None, {}, None, deadline=time.perf_counter() - 1)
+    assert not _admit(job, time.perf_counter())
+    assert isinstance(job.future.exception(), DeadlineExceeded)
+    assert isinstance(job.first.exception(), DeadlineExceeded)
+
+
+def test_a_client_that_disconnects_while_queued_is_not_decoded(server):
+    worker = occupy(server, 1.0, tag=70)
+    gone_before = metric(server, "vae_requests_total", code="499")
+    body = faulty.latent(tag=77).numpy().tobytes()
+    sock = raw_request(server, "/decode/faulty?shape=[1,4,4,4]&output_type=pt", body)
+    time.sleep(0.3)  # queued behind the sleeper
+    sock.close()
+    worker.join()
+    time.sleep(0.3)
+    assert 77 not in faulty.decoded_tags()
+    assert metric(server, "vae_requests_total", code="499") == gone_before + 1
+    assert post(server, faulty.latent(tag=78)).status_code == 200
+
+
+# --- bodies -------------------------------------------------------------------------------
+
+
+def raw_request(url: str, target: str, body: bytes = b"", headers: dict | None = None):
+    """A hand-made HTTP/1.1 request on a fresh socket (the caller reads or closes it)."""
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    sock = socket.create_connection((host, port), timeout=10)
+    fields = {"Host": f"{host}:{port}", "Content-Type": "tensor/binary"}
+    fields |= headers if headers is not None else {"Content-Length": str(len(body))}
+    head = f"POST {target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
+    sock.sendall(head.encode() + b"\r\n" + body)
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict]:
+    """Status and JSON body of the response on ``sock`` (read until it closes or completes)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or b"\r\n\r\n"
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    sock.close()
+    return int(head.split()[1]), json.loads(rest[:length])
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(server):
+    sock = raw_request(
+        server, "/decode/faulty?shape=[1,4,4,4]", headers={"Transfer-Encoding": "chunked"}
+    )
+    chunk = b"\0" * 65536
+    for _ in range(17):  # 1.06 MiB of a 1 MiB limit; no terminating chunk is ever sent
+        sock.sendall(b"%x\r\n" % len(chunk) + chunk + b"\r\n")
+    status, body = read_response(sock)
+    assert status == 413 and "limit" in body["error"]
+
+
+def test_a_declared_oversize_body_is_refused_before_it_is_sent(server):
+    sock = raw_request(
+        server, "/decode/faulty?shape=[1,4,4,4]", headers={"Content-Length": "5000000"}
+    )
+    assert read_response(sock)[0] == 413  # no body byte was sent
+    target = "/decode/faulty?shape=[1,4,1024,1024]"
+    sock = raw_request(server, target, headers={"Transfer-Encoding": "chunked"})
+    status, body = read_response(sock)
+    assert status == 413 and "shape" in body["error"]
+
+
+def test_a_body_that_trickles_in_times_out_with_408(server):
+    sock = raw_request(server, "/decode/faulty?shape=[1,4,4,4]", headers={"Content-Length": "256"})
+    sock.sendall(b"\0" * 10)
+    t0 = time.perf_counter()
+    status, body = read_response(sock)
+    assert status == 408 and "did not arrive" in body["error"]
+    assert time.perf_counter() - t0 < 5
+
+
+def test_per_model_limits_come_from_the_manifest(server):
+    big = faulty.latent(size=8)  # 64x64 output pixels
+    assert post(server, big, model="faulty").status_code == 200
+    r = post(server, big, model="faulty-small")
+    assert r.status_code == 413 and "1024 pixels" in r.json()["error"]
+    assert post(server, faulty.latent(size=4), model="faulty-small").status_code == 200
+
+
+def test_a_pickled_npy_body_is_refused_unread(server, tmp_path):
+    marker = tmp_path / "unpickled"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    buf = io.BytesIO()
+    np.save(buf, np.array([Payload()], dtype=object), allow_pickle=True)
+    r = requests.post(
+        f"{server}/decode/faulty",
+        data=buf.getvalue(),
+        headers={"Content-Type": "application/x-npy"},
+        timeout=10,
+    )
+    assert r.status_code == 422 and "dtype" in r.json()["error"]
+    assert not marker.exists()
+
+
+def test_no_pickle_on_the_request_or_load_path():
+    """Only safetensors and header-checked .npy are read; ``torch.load`` only at import."""
+    app = Path(__file__).resolve().parents[1] / "app"
+    for path in app.rglob("*.py"):
+        text = path.read_text()
+        assert "import pickle" not in text and "allow_pickle=True" not in text, path
+        assert "np.load(" not in text, path
+        for call in re.findall(r"torch\.load\([^)]*\)", text):
+            assert "weights_only=True" in call, (path, call)
+
+
+# --- broken stores -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def broken_store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("broken-store")
+    for name in ("good", "truncated", "noweights", "badsha", "garbled"):
+        faulty.bake(store, name)
+    weights = lambda name: store / name / "decoder.safetensors"  # noqa: E731
+    weights("truncated").write_bytes(weights("truncated").read_bytes()[:40])
+    weights("noweights").unlink()
+    data = bytearray(weights("badsha").read_bytes())
+    data[-1] ^= 0x40  # still a valid safetensors file: only the hash can tell
+    weights("badsha").write_bytes(bytes(data))
+    (store / "garbled" / "manifest.json").write_text("{not json")
+    return store
+
+
+BROKEN = {
+    "truncated": "sha256",
+    "noweights": "missing",
+    "badsha": "sha256",
+    "garbled": "manifest",
+    "absent": "manifest",
+    "../etc": "invalid model name",
+}
+
+
+def test_broken_models_are_named_and_the_others_serve(broken_store):
+    names = ",".join(["good", *BROKEN])
+    with live_server(broken_store, dtype="float32", models=names) as url:
+        ready = requests.get(f"{url}/readyz", timeout=10)
+        assert ready.status_code == 503
+        errors = ready.json()["errors"]
+        for name, words in BROKEN.items():
+            assert words in errors[name] and name in ready.json()["reason"], (name, errors)
+        assert ready.json()["models"] == ["good"]
+        assert post(url, faulty.latent(), model="good").status_code == 200
+        r = post(url, faulty.latent(), model="truncated")
+        assert r.status_code == 503 and "truncated" in r.json()["error"]
+
+
+def test_without_hash_checks_corruption_is_still_named_and_ready_can_be_partial(broken_store):
+    settings = dict(dtype="float32", ready_partial=True, verify_weights=False)
+    engine = Engine(Settings(models_dir=broken_store, **settings), Metrics())
+    engine.load_all()
+    assert engine.ready and set(engine.models) == {"good", "badsha"}
+    assert set(engine.errors) == {"truncated", "noweights", "garbled"}
+    assert "cannot load" in engine.errors["truncated"]
+
+
+# --- security -------------------------------------------------------------------------------
+
+
+def client(tmp_path, **settings) -> TestClient:
+    """The app without its lifespan: routes and middleware, no models loaded."""
+    return TestClient(create_app(Settings(models_dir=tmp_path, **settings)))
+
+
+def test_bearer_tokens_guard_everything_but_health(tmp_path):
+    c = client(tmp_path, api_tokens="alpha, beta")
+    assert c.get("/healthz").status_code == 200
+    assert c.get("/readyz").status_code == 503  # not loaded, but not a 401
+    assert c.get("/metrics").status_code == 200
+    for path in ("/models", "/openapi.json", "/docs"):
+        r = c.get(path)
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == 'Bearer realm="vae"'
+        assert r.json()["error"] == "missing bearer token" and "X-Request-Id" in r.headers
+    r = c.post("/decode/good", content=b"\0" * 64, headers={"Authorization": "Bearer gamma"})
+    assert r.status_code == 401 and 'error="invalid_token"' in r.headers["WWW-Authenticate"]
+    assert c.get("/models", headers={"Authorization": "Basic YWxwaGE6"}).status_code == 401
+    for header in ("Bearer beta", "bearer alpha", "Bearer  alpha "):
+        assert c.get("/models", headers={"Authorization": header}).status_code == 200, header
+
+
+def test_metrics_can_be_protected(tmp_path):
+    c = client(tmp_path, api_tokens="alpha", protect_metrics=True)
+    assert c.get("/metrics").status_code == 401
+    assert c.get("/metrics", headers={"Authorization": "Bearer alpha"}).status_code == 200
+    assert c.get("/healthz").status_code == 200
+
+
+def test_no_tokens_means_no_auth(tmp_path):
+    assert client(tmp_path).get("/models").status_code == 200
+
+
+def test_responses_carry_safe_headers(tmp_path):
+    c = client(tmp_path)
+    for r in (c.get("/healthz"), c.get("/nope"), c.delete("/models"), c.post("/decode/x")):
+        assert r.headers["X-Content-Type-Options"] == "nosniff"
+        assert r.headers["X-Frame-Options"] == "DENY"
+        assert r.headers["Referrer-Policy"] == "no-referrer"
+        assert r.headers["Cache-Control"] == "no-store"
+        assert "default-src 'none'" in r.headers["Content-Security-Policy"]
+        assert r.headers["content-type"].startswith("application/json")
+    assert "Content-Security-Policy" not in c.get("/docs").headers  # Swagger UI needs scripts
+
+
+TRAVERSALS = [
+    "/decode/..%2F..%2Fetc%2Fpasswd",
+    "/decode/%2e%2e",
+    "/decode/.env",
+    "/decode/a%00b",
+    "/decode/" + "a" * 80,
+    "/decode?model=../../etc/passwd",
+    "/decode?model=%2Fetc%2Fpasswd",
+    "/decode?model=..",
+]
+
+
+@pytest.mark.parametrize("target", TRAVERSALS)
+def test_model_names_cannot_walk_out_of_the_store(tmp_path, target):
+    target += ("&" if "?" in target else "?") + "shape=[1,4,2,2]"
+    r = client(tmp_path).post(target, content=b"\0" * 64)
+    assert r.status_code == 404 and "error" in r.json(), r.text
+
+
+@pytest.mark.parametrize("name", ["..", "../x", "a/b", "", ".x", "a" * 65, "a\0b", "a\\b"])
+def test_the_store_refuses_names_that_are_not_plain(tmp_path, name):
+    with pytest.raises(StoreError):
+        check_name(name)
+    with pytest.raises(StoreError):
+        load_model(tmp_path, name)
+
+
+def test_user_input_never_becomes_a_log_format_string(tmp_path, caplog):
+    hostile = "%s%d%(boom)s%n"
+    with caplog.at_level("INFO"):
+        client(tmp_path).post(
+            "/decode/x%25s", params={"model": hostile}, headers={"User-Agent": hostile}
+        )
+    records = [r for r in caplog.records if r.name.startswith("app")]
+    assert records
+    for record in records:
+        assert hostile not in str(record.msg)
+        record.getMessage()  # formats: the input only ever travels as an argument
+
+
+# --- drain on SIGTERM (a real `python -m app serve` process) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def flux_tiny_store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("drain-store")
+    bake(store, "flux", "flux-tiny", TINY_FLUX["flux-tiny"])
+    return store
+
+
+LATENT = torch.randn(1, 16, 24, 24).numpy().tobytes()  # ~0.3 s per decode on one thread
+
+
+def start_calls(url: str, n: int, codes: list) -> list[threading.Thread]:
+    """``n`` concurrent decodes; each appends its status (or the exception's name)."""
+    params = {"shape": "[1,16,24,24]", "output_type": "pt"}
+
+    def call() -> None:
+        try:
+            r = requests.post(f"{url}/decode/flux-tiny", data=LATENT, params=params, timeout=30)
+            codes.append(r.status_code)
+        except requests.RequestException as exc:
+            codes.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=call) for _ in range(n)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # all accepted: one decoding, the rest queued
+    return threads
+
+
+def test_sigterm_drains_queued_work_and_refuses_new(flux_tiny_store, tmp_path):
+    grace = 8.0
+    env = {"VAE_DRAIN_GRACE_S": str(grace), "VAE_MAX_BATCH": "1"}
+    codes: list = []
+    with faulty.serve_process(flux_tiny_store, tmp_path / "serve.log", **env) as (url, proc):
+        threads = start_calls(url, 8, codes)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        refused = requests.post(f"{url}/decode/flux-tiny", data=LATENT, timeout=10)
+        ready = requests.get(f"{url}/readyz", timeout=10)
+        for t in threads:
+            t.join(30)
+        rc = proc.wait(grace + 5)
+        elapsed = time.monotonic() - t0
+    log = (tmp_path / "serve.log").read_text()
+    assert codes == [200] * 8, (codes, log[-2000:])
+    assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+    assert "shutting down" in refused.json()["error"]
+    assert refused.headers["Connection"] == "close"
+    assert ready.status_code == 503 and "draining" in ready.json()["reason"]
+    assert rc in (0, -signal.SIGTERM), log[-2000:]
+    assert elapsed < grace, elapsed
+
+
+def test_sigterm_exits_when_the_grace_runs_out(flux_tiny_store, tmp_path):
+    grace = 0.5
+    env = {"VAE_DRAIN_GRACE_S": str(grace), "VAE_MAX_BATCH": "1"}
+    codes: list = []
+    with faulty.serve_process(flux_tiny_store, tmp_path / "serve.log", **env) as (url, proc):
+        threads = start_calls(url, 12, codes)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(grace + 10)
+        elapsed = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+    log = (tmp_path / "serve.log").read_text()
+    print(f"grace {grace} s: exited after {elapsed:.2f} s, rc {rc}, answers {codes}")
+    assert "drain grace ran out" in log and rc in (0, -signal.SIGTERM), log[-2000:]
+    assert elapsed < grace + 3, elapsed
+    assert len(codes) == 12 and 200 in codes and set(codes) != {200}, codes
