@@ -53,11 +53,11 @@ def candidate_paths(setting: str, device: torch.device) -> list[Path]:
         return [EXACT]
     if setting != "auto":
         return [Path(DTYPES[setting])]
-    fast_bf16 = device.type == "cuda" or _cpu_has_fast_bf16()
+    fast_bf16 = device.type == "cuda" or cpu_has_fast_bf16()
     return ([Path(torch.bfloat16)] if fast_bf16 else []) + [Path(torch.float32)]
 
 
-def _cpu_has_fast_bf16() -> bool:
+def cpu_has_fast_bf16() -> bool:
     """bf16 GEMMs beat float32 only with native bf16 dot products (AVX512-BF16 or AMX);
     without them (AVX2) oneDNN emulates bf16 and a decode is many times slower."""
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -67,6 +68,12 @@ def count_flops(fn: Callable[[], object]) -> int:
     with FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()
+
+
+def meta_flops(decoder: torch.nn.Module, shape: tuple[int, ...]) -> int:
+    """FLOPs of one decode, counted on the meta device: shapes only, no arithmetic."""
+    meta = copy.deepcopy(decoder).to("meta")
+    return count_flops(lambda: meta.decode(torch.empty(shape, device="meta")))
 
 
 def peak_rss_child(module: str, args: list[str]) -> dict:

@@ -20,7 +20,7 @@ from diffusers import AutoencoderKL
 
 from app.decoders import flux
 from app.decoders.ops import cosine
-from app.fastpath import Path, make_fast
+from app.fastpath import Path, cpu_has_fast_bf16, make_fast
 from bench import common
 
 
@@ -75,6 +75,17 @@ def variants(ours: flux.Decoder, ref: AutoencoderKL, device: torch.device) -> di
     }
 
 
+VARIANT_NAMES = (
+    "diffusers fp32",
+    "diffusers fp32+CL",
+    "diffusers bf16+CL",
+    "service exact fp32",
+    "service fast fp32",
+    "service fast fp32 banded",
+    "service fast bf16 banded",
+)
+
+
 @torch.inference_mode()
 def run(args: argparse.Namespace) -> None:
     if args.threads:
@@ -87,11 +98,13 @@ def run(args: argparse.Namespace) -> None:
     if args.child:
         return _child(args, ours, ref, z, device)
     print(f"machine: {common.machine()}")
+    if args.memory_only:
+        return _memory(args)
     rates = {d: common.gemm_rate(d, device) for d in (torch.float32, torch.bfloat16)}
     print(
         "GEMM rate: " + ", ".join(f"{str(d)[6:]} {r / 1e9:.0f} GFLOP/s" for d, r in rates.items())
     )
-    flops = common.count_flops(lambda: ours.decode(z))
+    flops = common.meta_flops(ours, tuple(z.shape))  # meta: CPU SDPA is not counted
     print(
         f"FLUX.1 decoder {args.size}x{args.size}: {flops / 1e12:.2f} TFLOP (reference architecture)"
     )
@@ -131,16 +144,20 @@ def _memory(args: argparse.Namespace) -> None:
     print(
         f"\npeak memory of one {args.size}x{args.size} decode (fresh process each, weights excluded):"
     )
-    print("| variant | peak MiB |")
-    print("|---|---|")
-    for name in variants(*build(), torch.device(args.device)):
-        if args.only and not any(o in name for o in args.only):
+    print("| variant | peak MiB | cos vs exact fp32 |")
+    print("|---|---|---|")
+    slow_bf16 = args.device == "cpu" and not cpu_has_fast_bf16() and not args.force_bf16
+    for name in VARIANT_NAMES:
+        if (args.only and not any(o in name for o in args.only)) or (slow_bf16 and "bf16" in name):
             continue
         child = ["flux", "--size", str(args.size), "--child", name, "--device", args.device]
         if args.threads:
             child += ["--threads", str(args.threads)]
+        if args.no_cos:
+            child.append("--no-cos")
         result = common.peak_rss_child("bench", child)
-        print(f"| {name} | {result['peak_bytes'] / 2**20:.0f} |", flush=True)
+        cos = f"{result['cos']:.6f}" if "cos" in result else "-"
+        print(f"| {name} | {result['peak_bytes'] / 2**20:.0f} | {cos} |", flush=True)
 
 
 def _child(args, ours, ref, z, device) -> None:
@@ -150,14 +167,17 @@ def _child(args, ours, ref, z, device) -> None:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        fn(z)
+        out = fn(z)
         peak = torch.cuda.max_memory_allocated() - base
     else:
         common.reset_peak_rss()
         base = common.rss_bytes()
-        fn(z)
+        out = fn(z)
         peak = common.peak_rss_bytes() - base
-    print(json.dumps({"variant": args.child, "peak_bytes": peak}))
+    result = {"variant": args.child, "peak_bytes": peak}
+    if "banded" in args.child and not args.no_cos:  # the memory-saving path: still the same decode
+        result["cos"] = cosine(out.float(), ours.decode(z))
+    print(json.dumps(result))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +186,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--memory-only", action="store_true", help="peaks only, no timing")
+    parser.add_argument("--no-cos", action="store_true", help="skip the banded output check")
     parser.add_argument("--only", nargs="*", help="substrings of variant names to run")
     parser.add_argument("--force-bf16", action="store_true", help="run bf16 even when slow")
     parser.add_argument("--child", help=argparse.SUPPRESS)

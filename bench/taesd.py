@@ -18,7 +18,6 @@ misses in the CPU flash-attention kernel). Prints one markdown table.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 
@@ -59,12 +58,6 @@ def build_full(seed: int = 0) -> flux.Decoder:
     return decoder.eval().requires_grad_(False)
 
 
-def meta_flops(decoder: torch.nn.Module, shape: tuple[int, ...]) -> int:
-    """FLOPs of one decode, counted on the meta device: shapes only, no arithmetic."""
-    meta = copy.deepcopy(decoder).to("meta")
-    return common.count_flops(lambda: meta.decode(torch.empty(shape, device="meta")))
-
-
 @torch.inference_mode()
 def run(args: argparse.Namespace) -> None:
     if args.threads:
@@ -85,7 +78,7 @@ def run(args: argparse.Namespace) -> None:
         z = torch.randn(shape, generator=torch.Generator().manual_seed(1))
         row = [size]
         for name, decoder in (("TAEF2", preview), ("FLUX.2 full", full)):
-            flops = meta_flops(decoder, shape)
+            flops = common.meta_flops(decoder, shape)
             model = decoder.to(device=device, dtype=dtype)
             if dtype != torch.float32:
                 model = model.to(memory_format=torch.channels_last)

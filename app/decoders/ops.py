@@ -147,7 +147,9 @@ def norm_silu_conv_banded(
         r1 = min(h, r0 + band)
         rows, top, bottom = _halo(x, r0, r1, pad)
         act = F.silu(torch.addcmul(shift, rows.float(), scale), inplace=True).to(x.dtype)
-        y = F.conv2d(F.pad(act, (pad, pad, top, bottom)), conv.weight, conv.bias)
+        if top or bottom:  # zero rows only at the image's edges; columns via the conv's padding
+            act = F.pad(act, (0, 0, top, bottom))
+        y = F.conv2d(act, conv.weight, conv.bias, padding=(0, pad))
         if accumulate:
             out[:, :, r0:r1] += y
         else:
