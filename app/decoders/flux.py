@@ -73,12 +73,20 @@ class ResnetBlock(nn.Module):
         return skip + h
 
     def _forward_banded(self, x: Tensor, band_bytes: int) -> Tensor:
-        """Same result; conv2 accumulates into the skip in place (x is consumed)."""
+        """Same result; conv2's output and the skip are written over h in place.
+
+        Peak: the input and one activation (x + h), where a layer-at-a-time decode holds
+        x, the normalized x, h, the normalized h, conv2's output and the sum.
+        """
         h = ops.norm_silu_conv_banded(x, self.norm1, self.conv1, _band(x, band_bytes))
-        out = x if self.conv_shortcut is None else self.conv_shortcut(x)
-        del x
+        shortcut = self.conv_shortcut
+
+        def skip(r0: int, r1: int) -> Tensor:
+            rows = x[:, :, r0:r1]
+            return rows if shortcut is None else shortcut(rows)
+
         band = _band(h, band_bytes)
-        return ops.norm_silu_conv_banded(h, self.norm2, self.conv2, band, out=out, accumulate=True)
+        return ops.norm_silu_conv_banded(h, self.norm2, self.conv2, band, out=h, skip=skip)
 
 
 class SpatialAttention(nn.Module):
@@ -204,11 +212,8 @@ class Decoder(VAEDecoder):
         if self.bn is None:
             return z / self.config["scaling_factor"] + (self.config.get("shift_factor") or 0.0)
         std = torch.sqrt(self.bn.running_var + self.config.get("batch_norm_eps", 1e-4))
-        patched = ops.patchify2x2(z)
-        patched = patched * std.view(1, -1, 1, 1).to(z) + self.bn.running_mean.view(1, -1, 1, 1).to(
-            z
-        )
-        return ops.unpatchify2x2(patched)
+        std, mean = std.view(1, -1, 1, 1).to(z), self.bn.running_mean.view(1, -1, 1, 1).to(z)
+        return ops.unpatchify2x2(ops.patchify2x2(z) * std + mean)
 
     def decode(self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any) -> Tensor:
         z = ops.to_model(z, self.conv_in.weight)
@@ -217,11 +222,17 @@ class Decoder(VAEDecoder):
                 z = self.post_quant_conv(z)
             x = self.conv_in(z)
         band = self.band_bytes if self._output_pixels(z) >= self.band_min_pixels else 0
+        # Each stage gets its input with no other reference held here (``forward`` called
+        # directly: ``Module.__call__`` would keep it in its args), so a stage's input is
+        # freed as soon as the stage has consumed it.
+        held = [x]
+        del x
         with timer.phase("mid"):
-            x = self.mid_block(x, band)
+            held.append(self.mid_block.forward(held.pop(), band))
         for i, block in enumerate(self.up_blocks):
             with timer.phase(f"up_{i}"):
-                x = block(x, band)
+                held.append(block.forward(held.pop(), band))
+        x = held.pop()
         with timer.phase("conv_out"):
             if band:
                 return ops.norm_silu_conv_banded(

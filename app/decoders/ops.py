@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -133,27 +134,36 @@ def norm_silu_conv_banded(
     conv: nn.Conv2d,
     band: int,
     out: Tensor | None = None,
-    accumulate: bool = False,
+    skip: Callable[[int, int], Tensor] | None = None,
 ) -> Tensor:
-    """``out (+)= conv(silu(norm(x)))``, a band of rows at a time (norm in float32)."""
+    """``out = conv(silu(norm(x))) [+ skip(r0, r1)]``, a band of rows at a time (norm in fp32).
+
+    ``out`` may be ``x`` itself (same channels): each band's last input rows are kept before
+    the band is overwritten, so the next band still reads the original values.
+    """
     scale, shift = group_norm_affine(x, norm, band)
     bsz, _, h, w = x.shape
     pad = conv.kernel_size[0] // 2
+    in_place = out is x
     if out is None:
         out = torch.empty(
             (bsz, conv.out_channels, h, w), dtype=x.dtype, device=x.device, memory_format=_format(x)
         )
+    kept: Tensor | None = None  # in place: the original rows just above this band
     for r0 in range(0, h, band):
         r1 = min(h, r0 + band)
         rows, top, bottom = _halo(x, r0, r1, pad)
+        if kept is not None:
+            rows, top = torch.cat([kept, x[:, :, r0 : min(h, r1 + pad)]], dim=2), 0
         act = F.silu(torch.addcmul(shift, rows.float(), scale), inplace=True).to(x.dtype)
+        if in_place and pad:
+            kept = x[:, :, r1 - pad : r1].clone()
         if top or bottom:  # zero rows only at the image's edges; columns via the conv's padding
             act = F.pad(act, (0, 0, top, bottom))
         y = F.conv2d(act, conv.weight, conv.bias, padding=(0, pad))
-        if accumulate:
-            out[:, :, r0:r1] += y
-        else:
-            out[:, :, r0:r1] = y
+        if skip is not None:
+            y += skip(r0, r1)
+        out[:, :, r0:r1] = y
     return out
 
 
