@@ -10,14 +10,12 @@ import logging
 import math
 import queue
 import re
-import signal
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import media
 from app.auth import BearerAuth
 from app.config import Settings
+from app.drain import Drain, route_sigterm
 from app.engine import (
     DeadlineExceeded,
     Engine,
@@ -129,34 +128,6 @@ class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
 
 
-@dataclass
-class Drain:
-    """SIGTERM handling: refuse new decodes (503), let accepted ones finish within the grace,
-    then hand the signal to uvicorn, which closes the listener and exits."""
-
-    grace_s: float
-    draining: bool = False
-    active: int = 0  # decode requests accepted and not yet answered in full
-    _task: asyncio.Task | None = field(default=None, repr=False)
-
-    def begin(self, forward: Callable[[bool], None]) -> None:
-        """Start draining (on the event loop); a second signal forwards at once, forced."""
-        if self.draining:
-            forward(True)
-            return
-        self.draining = True
-        log.info("draining %d requests (grace %.1f s)", self.active, self.grace_s)
-        self._task = asyncio.ensure_future(self._finish(forward))
-
-    async def _finish(self, forward: Callable[[bool], None]) -> None:
-        deadline = time.monotonic() + self.grace_s
-        while self.active and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self.active:
-            log.warning("drain grace ran out with %d requests unfinished", self.active)
-        forward(self.active > 0)
-
-
 def create_app(settings: Settings | None = None, *, load_in_background: bool = True) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
@@ -168,7 +139,7 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
         if settings.threads:
             torch.set_num_threads(settings.threads)
         engine.start()
-        restore = _route_sigterm(drain)
+        restore = route_sigterm(drain)
         if load_in_background:
             threading.Thread(target=engine.load_all, name="model-loader", daemon=True).start()
         else:
@@ -193,38 +164,6 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
     _install_error_handlers(app)
     _install_routes(app, engine, metrics, settings, drain)
     return app
-
-
-def _route_sigterm(drain: Drain) -> Callable[[], None]:
-    """Send SIGTERM through ``drain`` before the server's own handler; returns an undo.
-
-    Only the main thread can take signals: a server run from a test thread has none.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-    loop = asyncio.get_running_loop()
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def forward(force: bool) -> None:
-        if not callable(previous):  # SIG_DFL / SIG_IGN: let the default happen
-            signal.signal(signal.SIGTERM, previous)
-            signal.raise_signal(signal.SIGTERM)
-            return
-        server = getattr(previous, "__self__", None)
-        if force and hasattr(server, "force_exit"):
-            server.force_exit = True  # uvicorn.Server: the grace is spent, skip its own wait
-        previous(signal.SIGTERM, None)
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        loop.call_soon_threadsafe(drain.begin, forward)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-
-    def restore() -> None:
-        if signal.getsignal(signal.SIGTERM) is on_sigterm:
-            signal.signal(signal.SIGTERM, previous)
-
-    return restore
 
 
 class Envelope:
