@@ -94,6 +94,8 @@ class ServedModel:
             "store_dtype": self.manifest.dtype,
             "device": self.serving_device,
             "dtype": str(serving_dtype).removeprefix("torch."),
+            # "exact": the float32 CPU reference itself; "optimized": the gated fast copy
+            "path": "exact" if self.active is self.reference else "optimized",
             "parity_cosine": self.parity_cosine,
             "fallback": self.fallback,
             "fallback_reason": self.reason or None,

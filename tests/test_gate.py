@@ -64,6 +64,7 @@ def test_fallback_cpu_is_reported_in_models(flux_store):
         (model,) = requests.get(f"{url}/models").json()["models"]
         assert model["fallback"] is True and model["device"] == "cpu"
         assert model["dtype"] == "float32" and "parity cosine" in model["fallback_reason"]
+        assert model["path"] == "exact"
 
 
 def test_auto_serves_a_gated_optimized_path(flux_store):
