@@ -41,6 +41,9 @@ class VAEDecoder(nn.Module, ABC):
     output_space: ClassVar[OutputSpace] = "signed"
     is_video: ClassVar[bool] = False
     channels_last: ClassVar[bool] = False  # 4-D conv decoders opt in to channels_last
+    # True when ``decode`` takes ``tiled``: None = the family's own default, True = decode in
+    # tiles/bands (less memory, the out-of-memory retry), False = never tile.
+    supports_tiling: ClassVar[bool] = False
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
@@ -95,6 +98,11 @@ class VAEDecoder(nn.Module, ABC):
     ) -> Iterator[Tensor]:
         """``decode`` in frame chunks ``[B,3,t,H,W]``, in order (video decoders stream)."""
         yield self.decode(z, timer, **options)
+
+    def stages(self) -> list[tuple[str, nn.Module]]:
+        """The named stage modules (``conv_in``, ``mid``, ``up_0``...) whose calls are timed;
+        ``app.timing.instrument`` hooks them, so model code carries no timer."""
+        return []
 
     def optimize(self) -> None:
         """Turn on this family's fast-path rewrites (on the served copy, behind the gate)."""
