@@ -34,6 +34,16 @@ class Settings(BaseSettings):
     retry_after_s: int = Field(1, ge=1)
     drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: finish queued work this long")
     stream_stall_s: float = Field(60.0, gt=0, description="an MP4 reader this slow is dropped")
+    stream_buffer_mb: int = Field(256, ge=1, description="decoded frames buffered per MP4 stream")
+    stream_wait_s: float = Field(
+        5.0, gt=0, description="how long the worker waits on a full MP4 buffer's reader"
+    )
+    # device
+    device_memory_gb: float = Field(0.0, ge=0, description="cap on device memory; 0 = the card")
+    oom_fallback: Literal["off", "cpu"] = Field(
+        "off", description="out of memory even tiled: 503 (off) or the float32 CPU path (cpu)"
+    )
+    warmup_shapes: str = Field("", description="latent shapes decoded at startup: 1x16x128x128")
     # security
     api_tokens: SecretStr = Field(SecretStr(""), description="comma-separated bearer tokens")
     protect_metrics: bool = False
@@ -46,6 +56,9 @@ class Settings(BaseSettings):
             max_frames=self.max_frames,
             max_batch=self.max_batch,
         )
+
+    def device_memory_bytes(self) -> int:
+        return int(self.device_memory_gb * 2**30)
 
     def model_names(self) -> list[str] | None:
         names = [n.strip() for n in self.models.split(",") if n.strip()]

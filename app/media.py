@@ -19,17 +19,11 @@ WIRE_NAME = {
 }
 
 
-def to_uint8_hwc(unit: Tensor) -> Tensor:
-    """[N,3,H,W] in [0,1] -> uint8 [N,H,W,3], rounded as diffusers' postprocess does."""
-    return (unit.float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-
-
-def encode_image(unit: Tensor, fmt: str, quality: int = 90) -> bytes:
-    """One image [3,H,W] in [0,1] -> encoded bytes."""
-    array = to_uint8_hwc(unit.unsqueeze(0))[0].contiguous().numpy()
+def encode_image(frame: Tensor, fmt: str, quality: int = 90) -> bytes:
+    """One uint8 image [H,W,3] -> encoded bytes."""
     buf = io.BytesIO()
     options = {"quality": quality} if fmt in ("jpg", "webp") else {"compress_level": 1}
-    Image.fromarray(array, "RGB").save(buf, format=PIL_FORMAT[fmt], **options)
+    Image.fromarray(frame.contiguous().numpy(), "RGB").save(buf, format=PIL_FORMAT[fmt], **options)
     return buf.getvalue()
 
 

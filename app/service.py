@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import queue
+import os
 import re
+import signal
 import threading
 import time
 import uuid
@@ -31,16 +32,11 @@ from app import media
 from app.auth import BearerAuth
 from app.config import Settings
 from app.drain import Drain, route_sigterm
-from app.engine import (
-    DeadlineExceeded,
-    Engine,
-    Job,
-    QueueFull,
-    Scaling,
-    ServedModel,
-    Stopped,
-    is_oom,
-)
+from app.runtime import Job, Runtime, Scaling, ServedModel, Want
+from app.runtime.channel import FrameChannel
+from app.runtime.device import is_oom
+from app.runtime.runner import NonFiniteOutput, OutOfMemory
+from app.runtime.scheduler import DeadlineExceeded, DeviceLost, QueueFull, Stopped
 from app.logging_json import log_request
 from app.metrics import Metrics
 from app.protocol import (
@@ -61,7 +57,7 @@ from app.protocol import (
 )
 from app.store import NAME_RE
 from app.timing import PhaseTimer
-from app.video import encode_mp4, iter_frames
+from app.video import encode_mp4
 
 log = logging.getLogger("app.service")
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -131,7 +127,7 @@ class ClientGone(Exception):
 def create_app(settings: Settings | None = None, *, load_in_background: bool = True) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
-    engine = Engine(settings, metrics)
+    engine = Runtime(settings, metrics)
     drain = Drain(settings.drain_grace_s)
 
     @asynccontextmanager
@@ -140,6 +136,10 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
             torch.set_num_threads(settings.threads)
         engine.start()
         restore = route_sigterm(drain)
+        if threading.current_thread() is threading.main_thread():
+            # a sticky device error: drain (queued requests get 503) and exit, so the
+            # platform replaces this instance
+            engine.on_device_lost = lambda reason: os.kill(os.getpid(), signal.SIGTERM)
         if load_in_background:
             threading.Thread(target=engine.load_all, name="model-loader", daemon=True).start()
         else:
@@ -154,7 +154,7 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
         summary="Latents in, pixels out: resident VAE decoders behind remote_decode's protocol.",
         lifespan=lifespan,
     )
-    app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
+    app.state.runtime, app.state.metrics, app.state.settings = engine, metrics, settings
     app.state.drain = drain
     # the last added is the outermost: the envelope also wraps auth's 401s
     app.add_middleware(
@@ -238,7 +238,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def _install_routes(
-    app: FastAPI, engine: Engine, metrics: Metrics, settings: Settings, drain: Drain
+    app: FastAPI, engine: Runtime, metrics: Metrics, settings: Settings, drain: Drain
 ) -> None:
     @app.get("/healthz", summary="Process alive")
     async def healthz() -> dict[str, str]:
@@ -252,6 +252,8 @@ def _install_routes(
             body["reason"] = "draining: the service is shutting down"
         elif engine.loading:
             body["reason"] = "loading models and running parity gates"
+        elif engine.device_lost:
+            body["reason"] = f"device lost: {engine.device_lost}"
         elif engine.worker_died:
             body["reason"] = "the decode worker has stopped"
         elif engine.errors:
@@ -323,7 +325,7 @@ def _deadline(request: Request, params: DecodeParams, settings: Settings) -> flo
 
 
 def _resolve_model(
-    name: str | None, params: DecodeParams, engine: Engine, settings: Settings
+    name: str | None, params: DecodeParams, engine: Runtime, settings: Settings
 ) -> ServedModel:
     name = name or params.model or settings.default_model
     if name is None and len(engine.models) == 1:
@@ -346,7 +348,7 @@ def _resolve_model(
 async def _handle_decode(
     request: Request,
     name: str | None,
-    engine: Engine,
+    engine: Runtime,
     metrics: Metrics,
     settings: Settings,
     drain: Drain,
@@ -373,7 +375,7 @@ async def _handle_decode(
 async def _answer(
     request: Request,
     name: str | None,
-    engine: Engine,
+    engine: Runtime,
     settings: Settings,
     drain: Drain,
     timer: PhaseTimer,
@@ -399,7 +401,7 @@ def _finisher(
     request: Request,
     response: Response,
     name: str | None,
-    engine: Engine,
+    engine: Runtime,
     metrics: Metrics,
     drain: Drain,
     timer: PhaseTimer,
@@ -447,7 +449,7 @@ def _finisher(
 
 
 async def _decode(
-    request: Request, name: str | None, engine: Engine, settings: Settings, timer: PhaseTimer
+    request: Request, name: str | None, engine: Runtime, settings: Settings, timer: PhaseTimer
 ) -> Response:
     with timer.phase("parse"):
         params = parse_params(list(request.query_params.multi_items()))
@@ -460,11 +462,11 @@ async def _decode(
         geo = model.geometry
         kind, fmt = choose_output(params, request.headers.get("accept"), geo.is_video)
         latent = _validated(body, content_type, params, model, limits, kind, request)
-    wire_dtype = latent.dtype
-    job = Job(model, latent.float(), _scaling(params), _options(params), timer)
-    job.deadline, job.stall_s = deadline, settings.stream_stall_s
+    job = Job(model, latent.float(), _scaling(params), _options(params), timer, WANT[kind])
+    job.out_dtype = torch.uint8 if kind in ("image", "uint8", "mp4") else latent.dtype
+    job.deadline = deadline
     if kind == "mp4":
-        job.stream = queue.Queue(maxsize=2)
+        job.channel = FrameChannel(settings.stream_buffer_mb << 20, settings.stream_wait_s)
     try:
         engine.submit(job)
     except QueueFull:
@@ -476,13 +478,12 @@ async def _decode(
             503, "the service is shutting down", "retry: another instance"
         ) from None
     if kind == "mp4":
-        await _outcome(request, job, job.first)  # errors before the first frame are still JSON
+        # errors before the first frame are still JSON
+        await _outcome(request, job, job.channel.first)
         fps = params.fps or model.reference.config.get("fps") or 24
-        return _mp4_response(job, fps, model.name)
+        return _mp4_response(job, fps, model.name, settings.stream_stall_s)
     decoded = await _outcome(request, job, job.future)
-    response = await asyncio.to_thread(
-        _encode, model, decoded, kind, fmt, params, wire_dtype, timer
-    )
+    response = await asyncio.to_thread(_encode, decoded, kind, fmt, params, timer)
     response.headers["x-model"] = model.name
     response.headers["x-output"] = kind if kind != "image" else fmt
     return response
@@ -565,8 +566,12 @@ def _result(waiter: asyncio.Future, job: Job) -> Any:
         raise _deadline_error(exc.waited)
     if isinstance(exc, Stopped):
         raise ProtocolError(503, "the service is shutting down", "retry: another instance")
-    if is_oom(exc):
-        raise ProtocolError(503, "out of memory decoding this latent", "a smaller latent")
+    if isinstance(exc, DeviceLost):
+        raise ProtocolError(503, f"this instance lost its device: {exc}", "retry: another instance")
+    if isinstance(exc, NonFiniteOutput):
+        raise ProtocolError(422, str(exc), "a latent and factors in the decoder's range")
+    if isinstance(exc, OutOfMemory) or is_oom(exc):
+        raise ProtocolError(503, f"out of memory: {exc}"[:300], "a smaller latent, or retry")
     raise ProtocolError(  # a server fault, not bad input: 503, and the worker goes on
         503,
         f"decoder of model {job.model.name!r} failed: {type(exc).__name__}: {str(exc)[:200]}",
@@ -585,11 +590,13 @@ def _deadline_error(waited: float) -> ProtocolError:
 
 class JobStream(StreamingResponse):
     """A streamed job's response. However it ends (done, client gone, error) the worker is
-    told to stop, and ``on_close`` gets the bytes sent."""
+    told to stop, and ``on_close`` gets the bytes sent. A client that reads nothing for
+    ``stall_s`` is dropped, and so is a stream the worker gave up: the response is then
+    aborted (no terminating chunk), so the client sees the truncation."""
 
-    def __init__(self, job: Job, content: Iterator[bytes], **kwargs: Any) -> None:
+    def __init__(self, job: Job, content: Iterator[bytes], stall_s: float, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self.job, self.sent = job, 0
+        self.job, self.sent, self.stall_s = job, 0, stall_s
         self.on_close: Callable[[int], None] | None = None
         self.body_iterator = self._counted(self.body_iterator)
 
@@ -604,56 +611,66 @@ class JobStream(StreamingResponse):
             # once the encoder thread returns, which can be a whole MP4 fragment later.
             message = await receive()
             if message["type"] == "http.disconnect":
-                self.job.abandoned.set()
+                self.job.abandon()
             return message
 
+        async def send_or_drop(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_s)
+            except TimeoutError:
+                self.job.abandon()
+                raise StreamAborted(f"the client read nothing for {self.stall_s:g} s") from None
+
         try:
-            await super().__call__(scope, watched, send)
+            await super().__call__(scope, watched, send_or_drop)
         finally:
             self.job.abandon()
             if self.on_close is not None:
                 self.on_close(self.sent)
 
 
-def _mp4_response(job: Job, fps: float, model: str) -> JobStream:
+class StreamAborted(Exception):
+    """A streamed response given up midway: raised through the server, which then closes the
+    connection without ending the body, so the client sees the truncation."""
+
+
+def _mp4_response(job: Job, fps: float, model: str, stall_s: float) -> JobStream:
     """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes."""
 
     # "encode" is ffmpeg's share alone: the waits for decoded frames (the decoder's own
     # phases) and for the client to read (suspended at yield) are taken out.
     elsewhere = 0.0
 
-    def chunks() -> Iterator[torch.Tensor]:
+    def frames() -> Iterator[Any]:
         nonlocal elsewhere
+        chunks = iter(job.channel)
         while True:
             t0 = time.perf_counter()
             try:
-                item = job.stream.get(timeout=0.5)
-            except queue.Empty:
-                if job.abandoned.is_set():
-                    return  # the response ended: stop waiting for frames
-                continue
+                chunk = next(chunks, None)
             finally:
                 elsewhere += time.perf_counter() - t0
-            if item is None:
+            if chunk is None:
                 return
-            if isinstance(item, Exception):
-                raise item
-            yield item
+            yield from chunk.numpy()
 
     def body() -> Iterator[bytes]:
         nonlocal elsewhere
         started = time.perf_counter()
         try:
-            for data in encode_mp4(iter_frames(chunks()), fps):
+            for data in encode_mp4(frames(), fps):
                 t0 = time.perf_counter()
                 yield data
                 elsewhere += time.perf_counter() - t0
+        except Exception as exc:  # the decode failed or the stream was dropped midway
+            log.warning("MP4 stream of model %s aborted: %s", model, exc)
+            raise StreamAborted(str(exc)) from exc
         finally:
             job.timer.add("encode", max(0.0, time.perf_counter() - started - elsewhere))
             job.abandoned.set()
 
     headers = {"x-model": model, "x-output": "mp4"}
-    return JobStream(job, body(), media_type="video/mp4", headers=headers)
+    return JobStream(job, body(), stall_s, media_type="video/mp4", headers=headers)
 
 
 def _scaling(params: DecodeParams) -> Scaling:
@@ -666,37 +683,26 @@ def _options(params: DecodeParams) -> dict[str, Any]:
     }
 
 
+# what the runner hands back for each output kind
+WANT = {
+    "tensor": Want.RAW,
+    "unit_tensor": Want.UNIT,
+    "uint8": Want.UINT8,
+    "image": Want.UINT8,
+    "mp4": Want.UINT8,
+}
+
+
 def _encode(
-    model: ServedModel,
-    decoded: torch.Tensor,
-    kind: str,
-    fmt: str,
-    params: DecodeParams,
-    wire_dtype: torch.dtype,
-    timer: PhaseTimer,
+    decoded: torch.Tensor, kind: str, fmt: str, params: DecodeParams, timer: PhaseTimer
 ) -> Response:
-    """Decoder output -> response body, per the chosen output kind."""
-    decoder = model.reference
+    """The runner's host tensor -> response body, per the chosen output kind."""
     with timer.phase("encode"):
-        if kind == "tensor":
-            data, headers = media.tensor_bytes(decoded.to(wire_dtype))
-            return Response(data, media_type="tensor/binary", headers=headers)
-        frames = _frames(decoder.to_unit(decoded), decoded.ndim == 5)
-        if kind == "uint8":
-            data, headers = media.tensor_bytes(media.to_uint8_hwc(frames))
-            return Response(data, media_type="tensor/binary", headers=headers)
-        if kind == "unit_tensor":
-            data, headers = media.tensor_bytes(frames.to(wire_dtype))
-            return Response(data, media_type="tensor/binary", headers=headers)
-        data = media.encode_image(frames[0], fmt, params.quality)
-        return Response(data, media_type=IMAGE_MIME[fmt])
-
-
-def _frames(unit: torch.Tensor, video: bool) -> torch.Tensor:
-    """[B,3,H,W] stays; video [B,3,T,H,W] -> [B*T,3,H,W] frames in order."""
-    if not video:
-        return unit
-    return unit.permute(0, 2, 1, 3, 4).reshape(-1, *unit.shape[1:2], *unit.shape[3:])
+        if kind == "image":
+            data = media.encode_image(decoded[0], fmt, params.quality)
+            return Response(data, media_type=IMAGE_MIME[fmt])
+        data, headers = media.tensor_bytes(decoded)
+        return Response(data, media_type="tensor/binary", headers=headers)
 
 
 def _server_timing(phases: dict[str, float], total: float) -> str:

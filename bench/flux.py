@@ -20,7 +20,8 @@ from diffusers import AutoencoderKL
 
 from app.decoders import flux
 from app.decoders.ops import cosine
-from app.fastpath import Path, cpu_has_fast_bf16, make_fast
+from app.runtime.device import cpu_has_fast_bf16
+from app.runtime.modes import Mode, build
 from bench import common
 
 
@@ -58,7 +59,7 @@ def variants(ours: flux.Decoder, ref: AutoencoderKL, device: torch.device) -> di
 
     def service(dtype: torch.dtype, banded: bool):
         def make():
-            model = make_fast(ours, device, Path(dtype))  # what the gate would serve
+            model = build(ours, device, Mode(dtype))  # what the gate would serve
             model.band_min_pixels = 0 if banded else 1 << 62  # force either way
             return lambda z: model.decode(z.to(device))
 

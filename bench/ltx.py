@@ -46,8 +46,8 @@ from diffusers import AutoencoderKLLTXVideo
 from app import video
 from app.decoders import ltx
 from app.decoders.ops import cosine
-from app.fastpath import Path as ServePath
-from app.fastpath import make_fast
+from app.runtime.modes import Mode as ServePath
+from app.runtime.modes import build as make_fast
 from bench import common
 
 CONFIG_091 = {

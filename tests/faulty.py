@@ -68,8 +68,7 @@ def registered() -> Iterator[None]:
 class Decoder(VAEDecoder):
     family = FAMILY
     output_space = "signed"
-    # the engine's OOM retry decodes tiled with these options before it falls back to the CPU
-    tiled_retry_options = {"tile": True}
+    supports_tiling = True  # the runner's OOM retry decodes tiled before anything else
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
@@ -103,7 +102,7 @@ class Decoder(VAEDecoder):
         self, z: Tensor, t: int, rows: list[list[float]], timer: PhaseTimer, options: dict
     ) -> Tensor:
         fast = self.proj.weight.dtype != torch.float32
-        path = "cpu" if not fast else "tiled" if options.get("tile") else "fast"
+        path = "cpu" if not fast else "tiled" if options.get("tiled") else "fast"
         for command, arg, _ in rows:
             _act(command, arg, t, fast, path)
         with _lock:

@@ -73,7 +73,7 @@ def live_server(store: Path, **settings: Any) -> Iterator[str]:
     while time.monotonic() < deadline:
         try:
             if requests.get(f"{url}/readyz", timeout=1).status_code in (200, 503):
-                if not app.state.engine.loading:
+                if not app.state.runtime.loading:
                     break
         except requests.ConnectionError:
             pass

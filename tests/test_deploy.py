@@ -619,14 +619,14 @@ def test_request_log_severity_trace_and_clipping(json_log):
 
 
 def test_other_log_records_are_json_too(json_log):
-    log = logging.getLogger("app.engine")
+    log = logging.getLogger("app.runtime.runner")
     log.warning("model %s served on the fallback: %s", "flux", "cosine 0.99 < 0.9999")
     try:
         raise ValueError("boom")
     except ValueError:
         log.exception("decode failed for model %s", "flux")
     warning, error = (json.loads(line) for line in json_log.getvalue().splitlines())
-    assert warning["severity"] == "WARNING" and warning["logger"] == "app.engine"
+    assert warning["severity"] == "WARNING" and warning["logger"] == "app.runtime.runner"
     assert warning["message"] == "model flux served on the fallback: cosine 0.99 < 0.9999"
     assert error["severity"] == "ERROR" and "ValueError: boom" in error["message"]
     assert "Traceback" in error["message"]

@@ -1,32 +1,44 @@
-"""The parity gate and the float32 CPU fallback, exercised on the CPU (bf16 fast path)."""
+"""The parity gate and the float32 CPU fallback, exercised on the CPU.
+
+Each test asserts what the runtime promises for the mode it actually chose (read back from
+the served model), so it holds on CPUs with and without native bf16."""
 
 from __future__ import annotations
+
+import math
 
 import requests
 import torch
 
 from app.config import Settings
-from app.engine import Engine, Scaling
 from app.metrics import Metrics
+from app.runtime import Runtime, Scaling, Want
 from app.store import load_model
 from app.timing import PhaseTimer
 from tests.live import live_server
 
 
-def _engine(store, **settings) -> Engine:
-    engine = Engine(Settings(models_dir=store, models="flux-tiny", **settings), Metrics())
-    engine.load_all()
-    return engine
+def _runtime(store, **settings) -> Runtime:
+    runtime = Runtime(Settings(models_dir=store, models="flux-tiny", **settings), Metrics())
+    runtime.load_all()
+    return runtime
 
 
-def test_bf16_fast_path_passes_the_gate_and_stays_close(flux_store):
-    engine = _engine(flux_store, dtype="bfloat16")
-    model = engine.models["flux-tiny"]
-    assert not model.fallback and model.dtype == torch.bfloat16
+def _decode(runtime: Runtime, model, z, want=Want.RAW):
+    return runtime.runner.decode(model, z, Scaling(), {}, want, PhaseTimer())
+
+
+def test_bf16_fast_path_passes_every_gate_check_and_stays_close(flux_store):
+    runtime = _runtime(flux_store, dtype="bfloat16")
+    model = runtime.models["flux-tiny"]
+    assert not model.fallback and model.mode.dtype == torch.bfloat16
+    # every served way is gated: batch 1, a batch of 2 with a de-normalized row, tiled
+    assert {c.name for c in model.gate.checks} == {"batch1", "batch2", "denormalized", "tiled"}
     assert 0.9999 <= model.parity_cosine < 1.0  # a real comparison, not a copy of itself
+    assert 30 < model.gate.psnr_db < math.inf
     assert next(model.fast.parameters()).dtype == torch.bfloat16
     z = torch.randn(1, 16, 8, 8)
-    fast = engine.decode(model, z, Scaling(), {}, PhaseTimer())
+    fast = _decode(runtime, model, z)
     exact = model.reference.decode(z)
     cos = torch.nn.functional.cosine_similarity(
         fast.flatten().double(), exact.flatten().double(), 0
@@ -35,20 +47,20 @@ def test_bf16_fast_path_passes_the_gate_and_stays_close(flux_store):
 
 
 def test_unreachable_threshold_falls_back_to_float32_cpu(flux_store):
-    engine = _engine(flux_store, dtype="bfloat16", parity_min_cos=1.01)
-    model = engine.models["flux-tiny"]
+    runtime = _runtime(flux_store, dtype="bfloat16", parity_min_cos=1.01)
+    model = runtime.models["flux-tiny"]
     assert model.fallback and "parity cosine" in model.reason
     assert model.active is model.reference
-    text = engine.metrics.exposition().decode()
+    text = runtime.metrics.exposition().decode()
     assert 'vae_fallback_active{model="flux-tiny"} 1.0' in text
     z = torch.randn(1, 16, 8, 8)
-    out = engine.decode(model, z, Scaling(), {}, PhaseTimer())
+    out = _decode(runtime, model, z)
     _, fresh = load_model(flux_store, "flux-tiny")
     assert torch.equal(out, fresh.decode(z))  # the exact path, bit for bit
-    assert engine.ready
+    assert runtime.ready
 
 
-def test_fallback_off_keeps_readyz_503_with_the_reason(flux_store):
+def test_fallback_off_keeps_readyz_503_and_still_exports_the_cosine(flux_store):
     settings = dict(dtype="bfloat16", parity_min_cos=1.01, fallback="off", models="flux-tiny")
     with live_server(flux_store, **settings) as url:
         ready = requests.get(f"{url}/readyz")
@@ -56,6 +68,9 @@ def test_fallback_off_keeps_readyz_503_with_the_reason(flux_store):
         assert "parity cosine" in ready.json()["reason"] and "flux-tiny" in ready.json()["reason"]
         models = requests.get(f"{url}/models").json()
         assert "flux-tiny" in models["errors"]
+        metrics = requests.get(f"{url}/metrics").text
+        line = next(x for x in metrics.splitlines() if x.startswith("vae_parity_cosine{"))
+        assert 0.99 < float(line.split()[-1]) < 1.0
 
 
 def test_fallback_cpu_is_reported_in_models(flux_store):
@@ -68,21 +83,40 @@ def test_fallback_cpu_is_reported_in_models(flux_store):
 
 
 def test_auto_serves_a_gated_optimized_path(flux_store):
-    """auto: channels_last + upsample rewrite + banded GroupNorm, still within the gate."""
-    engine = _engine(flux_store, dtype="auto")
-    model = engine.models["flux-tiny"]
+    """auto: whichever dtype this CPU serves fastest, with the fast-path modules, gated."""
+    runtime = _runtime(flux_store, dtype="auto")
+    model = runtime.models["flux-tiny"]
     assert not model.fallback and model.fast is not model.reference
-    assert model.fast.band_bytes > 0
-    model.fast.band_min_pixels = 0  # tiny latents: force the banded path on
     assert model.fast.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
     assert model.parity_cosine >= 0.9999
     z = torch.randn(1, 16, 9, 7)
-    out = engine.decode(model, z, Scaling(), {}, PhaseTimer())
     exact = model.reference.decode(z)
-    assert (out - exact).abs().max() < 1e-3
+    # the promise for the chosen dtype: float32 is within rounding, bf16 within the gate
+    tolerance = 1e-3 if model.mode.dtype == torch.float32 else 0.1
+    for tiled in (False, True):  # banded and unbanded are both served, both gated
+        out = runtime.runner.decode(model, z, Scaling(), {"tiled": tiled}, Want.RAW, PhaseTimer())
+        assert (out - exact).abs().max() < tolerance
+        cos = torch.nn.functional.cosine_similarity(out.flatten().double(), exact.flatten().double(), 0)
+        assert cos >= 0.9999
 
 
 def test_float32_is_the_exact_path(flux_store):
-    engine = _engine(flux_store, dtype="float32")
-    model = engine.models["flux-tiny"]
+    runtime = _runtime(flux_store, dtype="float32")
+    model = runtime.models["flux-tiny"]
     assert model.fast is model.reference and model.parity_cosine == 1.0
+
+
+def test_fast_copy_keeps_latent_statistics_in_float32(tmp_path):
+    """FLUX.2's BatchNorm statistics stay float32 on a bf16 copy: de-normalization keeps its
+    precision."""
+    from tests.live import TINY_FLUX, bake
+
+    bake(tmp_path, "flux", "flux2-tiny", TINY_FLUX["flux2-tiny"])
+    settings = Settings(models_dir=tmp_path, models="flux2-tiny", dtype="bfloat16")
+    runtime = Runtime(settings, Metrics())
+    runtime.load_all()
+    model = runtime.models["flux2-tiny"]
+    assert next(model.fast.parameters()).dtype == torch.bfloat16
+    assert model.fast.bn.running_var.dtype == torch.float32
+    z = torch.randn(1, 32, 8, 8)
+    assert torch.equal(model.fast.denormalize(z), model.reference.denormalize(z))

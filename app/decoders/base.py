@@ -44,6 +44,11 @@ class VAEDecoder(nn.Module, ABC):
     # True when ``decode`` takes ``tiled``: None = the family's own default, True = decode in
     # tiles/bands (less memory, the out-of-memory retry), False = never tile.
     supports_tiling: ClassVar[bool] = False
+    # Device memory one decode takes beyond the weights, in values per output pixel (of each
+    # frame held at once), times the dtype's size: the runner's budget check. Families set
+    # their measured value (docs/BENCHMARKS.md); the default is generous.
+    working_values_per_pixel: ClassVar[int] = 1024
+    frames_held: ClassVar[int] = 8  # video decoders: output frames alive at once
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
@@ -68,6 +73,14 @@ class VAEDecoder(nn.Module, ABC):
     def frames_out(self, latent_frames: int) -> int:
         """Frames decoded from ``latent_frames`` (video decoders override)."""
         return latent_frames
+
+    def working_bytes(self, latent_shape: tuple[int, ...], element_size: int) -> int:
+        """Estimated device bytes of decoding a latent of ``latent_shape`` (batch included)."""
+        frames = 1
+        if len(latent_shape) == 5:
+            frames = min(self.frames_out(latent_shape[2]), self.frames_held)
+        pixels = latent_shape[-2] * latent_shape[-1] * self.spatial_scale**2
+        return latent_shape[0] * frames * pixels * self.working_values_per_pixel * element_size
 
     def summary(self) -> dict[str, Any]:
         """Short description for ``GET /models``."""

@@ -169,6 +169,7 @@ class LatentStats(nn.Module):
 
 
 class Decoder(VAEDecoder):
+    supports_tiling = True  # row bands with exact GroupNorm statistics
     family = "flux"
     output_space = "signed"
     channels_last = True
@@ -221,7 +222,11 @@ class Decoder(VAEDecoder):
             if self.post_quant_conv is not None:
                 z = self.post_quant_conv(z)
             x = self.conv_in(z)
-        band = self.band_bytes if self._output_pixels(z) >= self.band_min_pixels else 0
+        tiled = options.get("tiled")
+        if tiled is None:  # the default: bands only for outputs of band_min_pixels or more
+            band = self.band_bytes if self._output_pixels(z) >= self.band_min_pixels else 0
+        else:
+            band = (self.band_bytes or BAND_BYTES) if tiled else 0
         # Each stage gets its input with no other reference held here (``forward`` called
         # directly: ``Module.__call__`` would keep it in its args), so a stage's input is
         # freed as soon as the stage has consumed it.

@@ -1,0 +1,105 @@
+"""The decode runtime: a registry (load + gate), a runner (one decode, with its memory
+ladder) and a scheduler (queue, deadlines, micro-batching, the worker), held together by
+``Runtime``, which is what the HTTP service and the command line use."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+
+import torch
+
+from app.config import Settings
+from app.metrics import Metrics
+from app.runtime.registry import Registry, ServedModel
+from app.runtime.runner import Runner, Scaling, Want
+from app.runtime.scheduler import Job, Scheduler
+from app.timing import PhaseTimer
+
+log = logging.getLogger("app.runtime")
+
+__all__ = ["Job", "Runtime", "Scaling", "ServedModel", "Want"]
+
+
+class Runtime:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.registry = Registry(settings, metrics)
+        self.runner = Runner(metrics, settings.oom_fallback, settings.device_memory_bytes())
+        self.scheduler = Scheduler(
+            self.runner, metrics, settings.queue_depth, settings.max_batch, self._device_lost
+        )
+        self.on_device_lost: Callable[[str], None] = lambda reason: None
+
+    # --- what the service reads -----------------------------------------------------------
+    @property
+    def models(self) -> dict[str, ServedModel]:
+        return self.registry.models
+
+    @property
+    def errors(self) -> dict[str, str]:
+        return self.registry.errors
+
+    @property
+    def loading(self) -> bool:
+        return self.registry.loading
+
+    @property
+    def ready(self) -> bool:
+        return self.registry.ready and not self.scheduler.worker_died and not self.device_lost
+
+    @property
+    def device_lost(self) -> str:
+        return self.scheduler.device_lost
+
+    @property
+    def worker_died(self) -> bool:
+        return self.scheduler.worker_died
+
+    # --- lifecycle ------------------------------------------------------------------------
+    def load_all(self) -> None:
+        """Load and gate every model, then warm up the configured shapes."""
+        self.registry.loading = True
+        try:
+            self.registry._load_all()
+            self.warm_up()
+        finally:
+            self.registry.loading = False
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.scheduler.stop(timeout)
+
+    def submit(self, job: Job):
+        return self.scheduler.submit(job)
+
+    def warm_up(self) -> None:
+        """Decode each ``VAE_WARMUP_SHAPES`` shape once on every model it fits, so cuDNN's
+        algorithm search and the allocator's growth happen before the first real request."""
+        shapes = parse_shapes(self.settings.warmup_shapes)
+        for model in self.registry.models.values():
+            for shape in shapes:
+                if shape[1] != model.reference.latent_channels:
+                    continue
+                if (len(shape) == 5) != model.reference.is_video:
+                    continue
+                latent = torch.zeros(shape)
+                timer = PhaseTimer()
+                self.runner.decode(model, latent, Scaling(), {}, Want.UINT8, timer)
+                log.info("warmed up %s at %s in %.3f s", model.name, shape, sum(timer.phases().values()))
+
+    def _device_lost(self, reason: str) -> None:
+        self.on_device_lost(reason)
+
+
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """``"1x16x128x128, 1x128x3x16x16"`` -> shapes."""
+    shapes = []
+    for part in re.split(r"[,;\s]+", text.strip()):
+        if part:
+            shapes.append(tuple(int(n) for n in part.lower().split("x")))
+    return shapes

@@ -1,0 +1,115 @@
+"""The parity gate: the fast copy is served only if it decodes like the float32 CPU path.
+
+At startup both decode fixed, seeded N(0,1) probes through every way a request can be served:
+batch 1 as sent, a batch of 2 whose second latent goes through the model's de-normalization,
+and the tiled (banded) decode where the family has one. Each check reports the cosine of the
+two outputs (flattened, float64) and the PSNR of their uint8 images; the gate passes when the
+lowest cosine reaches ``VAE_PARITY_MIN_COS``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from app.decoders.base import VAEDecoder
+from app.decoders.ops import cosine
+
+PROBE_SEED = 20261130
+
+
+@dataclass
+class Check:
+    name: str
+    cosine: float
+    psnr_db: float
+
+
+@dataclass
+class GateReport:
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def cosine(self) -> float:
+        return min((c.cosine for c in self.checks), default=1.0)
+
+    @property
+    def psnr_db(self) -> float:
+        return min((c.psnr_db for c in self.checks), default=math.inf)
+
+    def passed(self, min_cos: float) -> bool:
+        return self.cosine >= min_cos
+
+    def describe(self) -> dict[str, dict[str, float]]:
+        return {c.name: {"cosine": c.cosine, "psnr_db": _finite(c.psnr_db)} for c in self.checks}
+
+
+EXACT_REPORT = GateReport([Check("exact", 1.0, math.inf)])
+
+
+class Probes:
+    """The probe latents and the reference's outputs for them, computed once per model (the
+    same expected outputs gate every candidate mode)."""
+
+    def __init__(self, reference: VAEDecoder) -> None:
+        self.reference = reference
+        gen = torch.Generator().manual_seed(PROBE_SEED)
+        self.plain = reference.probe_latent(gen)
+        self.second = reference.probe_latent(gen)
+        self._expected: dict[str, Tensor] = {}
+
+    def expected(self, name: str) -> Tensor:
+        if name not in self._expected:
+            z, options = self.inputs(name, self.reference)
+            self._expected[name] = self.reference.decode(z, **options)
+        return self._expected[name]
+
+    def inputs(self, name: str, decoder: VAEDecoder) -> tuple[Tensor, dict]:
+        """(latent, options) of one check, for the reference (single) or the fast copy."""
+        if name == "denormalized":
+            return decoder.denormalize(self.second.float()), {}
+        if name == "tiled":
+            return self.plain, {"tiled": True}
+        return self.plain, {"tiled": False} if decoder.supports_tiling else {}
+
+
+@torch.inference_mode()
+def run(fast: VAEDecoder, probes: Probes) -> GateReport:
+    """Decode every probe on ``fast`` and compare with the reference's outputs."""
+    if fast is probes.reference:
+        return EXACT_REPORT
+    device = next(fast.parameters()).device
+    report = GateReport()
+    # batch 2: the plain probe and a de-normalized one, decoded together as a micro-batch is
+    plain = probes.plain.to(device)
+    denorm = fast.denormalize(probes.second.to(device).float())
+    options = {"tiled": False} if fast.supports_tiling else {}
+    single = fast.decode(plain, **options)
+    report.checks.append(_check("batch1", fast, single, probes.expected("plain")))
+    batch = fast.decode(torch.cat([plain, denorm]), **options)
+    report.checks.append(_check("batch2", fast, batch[:1], probes.expected("plain")))
+    report.checks.append(_check("denormalized", fast, batch[1:], probes.expected("denormalized")))
+    if fast.supports_tiling:
+        got = fast.decode(plain, tiled=True)
+        report.checks.append(_check("tiled", fast, got, probes.expected("tiled")))
+    return report
+
+
+def _check(name: str, decoder: VAEDecoder, got: Tensor, expected: Tensor) -> Check:
+    got, expected = got.float().cpu(), expected.float()
+    return Check(name, cosine(got, expected), psnr_db(decoder, got, expected))
+
+
+def psnr_db(decoder: VAEDecoder, got: Tensor, expected: Tensor) -> float:
+    """PSNR of the two outputs as the uint8 images a client would receive."""
+    a = (decoder.to_unit(got) * 255).round()
+    b = (decoder.to_unit(expected) * 255).round()
+    mse = float((a - b).double().pow(2).mean())
+    return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

@@ -1,0 +1,71 @@
+"""Serving modes: how a model's resident copy on the device is built.
+
+Every model keeps its exact float32 CPU decoder (memory-mapped from the store): the source of
+truth. A *mode* is a dtype on the serving device, with or without the family's fast-path
+modules (``optimize``). The copy is built on the device directly, from the reference's
+tensors, so no second float32 copy is ever held in host memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from app.decoders.base import VAEDecoder
+from app.runtime.device import cpu_has_fast_bf16
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A dtype on the device, exact (the reference's own modules) or optimized."""
+
+    dtype: torch.dtype
+    optimized: bool = True
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{'' if self.optimized else ' exact'}"
+
+
+EXACT = Mode(torch.float32, optimized=False)
+
+
+def candidate_modes(setting: str, device: torch.device) -> list[Mode]:
+    """Modes to try, fastest first. ``float32`` on the CPU is always the exact path."""
+    if setting == "float32" and device.type == "cpu":
+        return [EXACT]
+    if setting != "auto":
+        return [Mode(DTYPES[setting])]
+    fast_bf16 = device.type == "cuda" or cpu_has_fast_bf16()
+    return ([Mode(torch.bfloat16)] if fast_bf16 else []) + [Mode(torch.float32)]
+
+
+def build(reference: VAEDecoder, device: torch.device, mode: Mode) -> VAEDecoder:
+    """The resident copy for ``mode`` on ``device``. Parameters take the mode's dtype; buffers
+    (latent statistics) stay float32, so de-normalization keeps its precision."""
+    if device.type == "cpu" and mode == EXACT:
+        return reference  # the exact path is served as it is
+    with torch.device("meta"):
+        fast = type(reference)(reference.config)
+    params = {name for name, _ in reference.named_parameters()}
+    state = {}
+    for name, tensor in reference.state_dict(keep_vars=False).items():
+        dtype = mode.dtype if name in params and tensor.is_floating_point() else tensor.dtype
+        state[name] = tensor.to(device=device, dtype=dtype)
+    fast.load_state_dict(state, strict=True, assign=True)
+    for name, buffer in reference.named_buffers():  # non-persistent ones are not in state_dict
+        if name not in state:
+            _set_buffer(fast, name, buffer.to(device))
+    if fast.channels_last:
+        fast = fast.to(memory_format=torch.channels_last)
+    if mode.optimized:
+        fast.optimize()
+    return fast.eval().requires_grad_(False)
+
+
+def _set_buffer(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    owner._buffers[leaf] = value

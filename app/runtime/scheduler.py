@@ -1,0 +1,286 @@
+"""The scheduler: one bounded queue and one decode worker per device.
+
+The event loop never runs a decode: handlers ``submit`` a ``Job`` and await its future. The
+worker takes jobs in order and micro-batches consecutive ones of the same model, latent shape
+and options into one decode. A job whose caller left, or whose deadline passed before it
+could start, is dropped before any decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from app.metrics import Metrics
+from app.runtime import device as devices
+from app.runtime.channel import FrameChannel
+from app.runtime.registry import ServedModel
+from app.runtime.runner import Runner, Scaling, Want
+from app.timing import PhaseTimer
+
+log = logging.getLogger("app.runtime.scheduler")
+
+
+class QueueFull(Exception):
+    """The bounded queue is full: the caller answers 429 with Retry-After."""
+
+
+class Stopped(Exception):
+    """The service is shutting down: the caller answers 503 with Retry-After."""
+
+
+class DeviceLost(Exception):
+    """The device hit an unrecoverable error: this instance is going away (503)."""
+
+
+class DeadlineExceeded(Exception):
+    """The job's deadline passed before the worker could start it: refused, not decoded."""
+
+    def __init__(self, waited: float) -> None:
+        super().__init__(f"the request's deadline passed after {waited:.2f} s in the queue")
+        self.waited = waited
+
+
+@dataclass
+class Job:
+    model: ServedModel
+    latent: Tensor  # [B,C,H,W] or [B,C,T,H,W], float32 CPU
+    scaling: Scaling
+    options: dict[str, Any]
+    timer: PhaseTimer
+    want: Want = Want.UINT8
+    out_dtype: torch.dtype = torch.float32
+    channel: FrameChannel | None = None  # streamed (MP4): frames go here as they decode
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.perf_counter)
+    deadline: float | None = None  # perf_counter time by which the job must have started
+    abandoned: threading.Event = field(default_factory=threading.Event)  # the caller left
+
+    def abandon(self) -> None:
+        """The caller went away: drop the job if it is still queued, stop it if it streams."""
+        self.abandoned.set()
+        self.future.cancel()
+        if self.channel is not None:
+            self.channel.drop("the client went away")
+
+    def batch_key(self) -> tuple:
+        return (
+            self.model.name,
+            tuple(self.latent.shape[1:]),
+            tuple(vars(self.scaling).items()),
+            tuple(sorted(self.options.items())),
+            self.want,
+            self.out_dtype,
+        )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: Runner,
+        metrics: Metrics,
+        queue_depth: int,
+        max_batch: int,
+        on_device_lost: Callable[[str], None],
+    ) -> None:
+        self.runner = runner
+        self.metrics = metrics
+        self.max_batch = max_batch
+        self.on_device_lost = on_device_lost
+        self.device_lost = ""  # why the device is unusable, once it is
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_depth)
+        self._worker: threading.Thread | None = None
+        self._pending: Job | None = None  # a job taken off the queue that did not batch
+        self._stopping = False
+
+    @property
+    def worker_died(self) -> bool:
+        return self._worker is not None and not self._worker.is_alive() and not self._stopping
+
+    def start(self) -> None:
+        self._worker = threading.Thread(target=self._run, name="decode-worker", daemon=True)
+        self._worker.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Refuse new jobs, fail the queued ones, let the running one finish."""
+        self._stopping = True
+        self.fail_queued(Stopped("the service is shutting down"))
+        if self._worker is not None:
+            try:
+                self._queue.put(None, timeout=timeout)
+            except queue.Full:
+                return
+            self._worker.join(timeout)
+
+    def fail_queued(self, exc: BaseException) -> int:
+        """Answer every job still waiting in the queue with ``exc``; how many there were."""
+        failed = 0
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                fail(job, exc)
+                failed += 1
+        self.metrics.queue_depth.set(0)
+        return failed
+
+    def submit(self, job: Job) -> Future:
+        if self._stopping:
+            raise Stopped("the service is shutting down")
+        if self.device_lost:
+            raise DeviceLost(self.device_lost)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull from None
+        self.metrics.queue_depth.set(self._queue.qsize())
+        return job.future
+
+    # --- the worker -------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._pending or self._queue.get()
+            self._pending = None
+            if job is None:
+                return
+            batch: list[Job] = [job]
+            try:
+                batch = self._gather(job)
+                self.metrics.queue_depth.set(self._queue.qsize())
+                self.metrics.inflight.set(len(batch))
+                self._decode_batch(batch)
+            except Exception as exc:  # a bug here must fail its jobs, not stop the worker
+                log.exception("decode worker error")
+                for j in batch:
+                    fail(j, exc)
+            finally:
+                self.metrics.inflight.set(0)
+
+    def _gather(self, first: Job) -> list[Job]:
+        """Consecutive queued jobs that can share one decode with ``first``."""
+        batch, key = [first], first.batch_key()
+        rows = first.latent.shape[0]
+        while rows < self.max_batch and first.channel is None:
+            try:
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if (
+                nxt is None
+                or nxt.channel is not None
+                or nxt.batch_key() != key
+                or rows + nxt.latent.shape[0] > self.max_batch
+            ):
+                self._pending = nxt
+                break
+            batch.append(nxt)
+            rows += nxt.latent.shape[0]
+        now = time.perf_counter()
+        return [j for j in batch if admit(j, now)]
+
+    def _decode_batch(self, batch: list[Job]) -> None:
+        if not batch:
+            return
+        start = time.perf_counter()
+        for job in batch:
+            job.timer.add("queue", start - job.enqueued)
+        if batch[0].channel is not None:
+            return self._stream(batch[0])
+        try:
+            out = self._decode_jobs(batch)
+        except Exception as exc:
+            if len(batch) == 1 or self._lost(exc):
+                return self._failed(batch, exc)
+            log.warning("a batch of %d failed (%s); decoding its jobs one by one", len(batch), exc)
+            for job in batch:  # find the one that fails: the others still get their output
+                try:
+                    job.future.set_result(self._decode_jobs([job]))
+                except Exception as one:
+                    self._failed([job], one)
+            return
+        rows = 0
+        for job in batch:
+            n = job.latent.shape[0]
+            job.future.set_result(out[rows : rows + n])
+            rows += n
+
+    def _decode_jobs(self, batch: list[Job]) -> Tensor:
+        """One decode for the whole batch; every job gets the shared decode's phases."""
+        lead = batch[0]
+        timer = PhaseTimer() if len(batch) > 1 else lead.timer
+        latent = torch.cat([j.latent for j in batch]) if len(batch) > 1 else lead.latent
+        out = self.runner.decode(
+            lead.model, latent, lead.scaling, lead.options, lead.want, timer, lead.out_dtype
+        )
+        if len(batch) > 1:
+            for job in batch:
+                for phase, seconds in timer.phases().items():
+                    job.timer.add(phase, seconds)
+        return out
+
+    def _stream(self, job: Job) -> None:
+        """Decode chunk by chunk into the job's channel; the future resolves at the end."""
+        channel = job.channel
+        try:
+            frames = self.runner.stream(job.model, job.latent, job.scaling, job.options, job.timer)
+            for chunk in frames:
+                if not channel.put(chunk):
+                    log.warning("model %s: stream dropped: %s", job.model.name, channel.dropped)
+                    frames.close()
+                    break
+        except Exception as exc:
+            channel.close(exc)
+            self._failed([job], exc)
+            return
+        channel.close()
+        job.future.set_result(None)
+
+    def _failed(self, batch: list[Job], exc: BaseException) -> None:
+        if self._lost(exc):
+            exc = DeviceLost(self.device_lost)
+        else:
+            log.error("decode failed for model %s: %s", batch[0].model.name, exc)
+        for job in batch:
+            fail(job, exc)
+
+    def _lost(self, exc: BaseException) -> bool:
+        """A sticky device error: refuse everything from now on and report it once."""
+        if not devices.is_sticky(exc):
+            return bool(self.device_lost)
+        if not self.device_lost:
+            self.device_lost = f"{type(exc).__name__}: {str(exc)[:200]}"
+            log.critical("device lost, taking this instance out of service: %s", exc)
+            self.fail_queued(DeviceLost(self.device_lost))
+            self.on_device_lost(self.device_lost)
+        return True
+
+
+def admit(job: Job, now: float) -> bool:
+    """Mark a job running, unless its caller left or its deadline passed (then refuse it)."""
+    if job.abandoned.is_set() or not job.future.set_running_or_notify_cancel():
+        return False
+    if job.deadline is not None and now > job.deadline:
+        fail(job, DeadlineExceeded(now - job.enqueued))
+        return False
+    return True
+
+
+def fail(job: Job, exc: BaseException) -> None:
+    """Resolve a job (and its stream) with an error, whatever state it is in."""
+    if job.channel is not None:
+        job.channel.close(exc)
+    if job.future.cancelled() or job.future.done():
+        return
+    if job.future.running() or job.future.set_running_or_notify_cancel():
+        job.future.set_exception(exc)
