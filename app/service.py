@@ -32,11 +32,6 @@ from app import media
 from app.auth import BearerAuth
 from app.config import Settings
 from app.drain import Drain, route_sigterm
-from app.runtime import Job, Runtime, Scaling, ServedModel, Want
-from app.runtime.channel import FrameChannel
-from app.runtime.device import is_oom
-from app.runtime.runner import NonFiniteOutput, OutOfMemory
-from app.runtime.scheduler import DeadlineExceeded, DeviceLost, QueueFull, Stopped
 from app.logging_json import log_request
 from app.metrics import Metrics
 from app.protocol import (
@@ -55,6 +50,11 @@ from app.protocol import (
     parse_timeout,
     to_layout,
 )
+from app.runtime import Job, Runtime, Scaling, ServedModel, Want
+from app.runtime.channel import FrameChannel
+from app.runtime.device import is_oom
+from app.runtime.runner import NonFiniteOutput, OutOfMemory
+from app.runtime.scheduler import DeadlineExceeded, DeviceLost, QueueFull, Stopped
 from app.store import NAME_RE
 from app.timing import PhaseTimer
 from app.video import encode_mp4

@@ -96,7 +96,9 @@ def test_auto_serves_a_gated_optimized_path(flux_store):
     for tiled in (False, True):  # banded and unbanded are both served, both gated
         out = runtime.runner.decode(model, z, Scaling(), {"tiled": tiled}, Want.RAW, PhaseTimer())
         assert (out - exact).abs().max() < tolerance
-        cos = torch.nn.functional.cosine_similarity(out.flatten().double(), exact.flatten().double(), 0)
+        cos = torch.nn.functional.cosine_similarity(
+            out.flatten().double(), exact.flatten().double(), 0
+        )
         assert cos >= 0.9999
 
 

@@ -22,9 +22,11 @@ from fastapi.testclient import TestClient
 from starlette.requests import Request
 
 from app.config import Settings
-from app.engine import DeadlineExceeded, Engine, Job, _admit
 from app.metrics import Metrics
 from app.protocol import parse_params
+from app.runtime import Job, Runtime
+from app.runtime.channel import FrameChannel
+from app.runtime.scheduler import DeadlineExceeded, admit
 from app.service import _deadline, create_app
 from app.store import StoreError, check_name, load_model
 from tests import faulty
@@ -83,17 +85,25 @@ def occupy(url: str, seconds: float, tag: float) -> threading.Thread:
 # --- faults ------------------------------------------------------------------------------
 
 
-def test_oom_retries_tiled_then_on_the_cpu_path_and_counts_it(server):
-    before = {
-        p: metric(server, "vae_retries_total", model="faulty", path=p) for p in ("tiled", "cpu")
-    }
+def test_oom_retries_tiled_then_answers_503_and_counts_it(server):
+    """The ladder ends on a 503 with Retry-After, not on minutes of float32 CPU decoding."""
+    before = metric(server, "vae_retries_total", model="faulty", path="tiled")
     r = post(server, faulty.latent(faulty.OOM_UNTILED, tag=31))
     assert r.status_code == 200, r.text
     r = post(server, faulty.latent(faulty.OOM_FAST, tag=30))
-    assert r.status_code == 200, r.text
-    assert faulty.decoded(31) == [("tiled", 0)] and faulty.decoded(30) == [("cpu", 0)]
-    after = {p: metric(server, "vae_retries_total", model="faulty", path=p) for p in before}
-    assert after["tiled"] - before["tiled"] == 2 and after["cpu"] - before["cpu"] == 1
+    assert r.status_code == 503 and "out of memory" in r.json()["error"], r.text
+    assert int(r.headers["Retry-After"]) >= 1
+    assert faulty.decoded(31) == [("tiled", 0)] and ("cpu", 0) not in faulty.decoded(30)
+    after = metric(server, "vae_retries_total", model="faulty", path="tiled")
+    assert after - before == 2
+
+
+def test_oom_fallback_cpu_ends_the_ladder_on_the_float32_cpu_path(store):
+    with live_server(store, device="cpu", dtype="bfloat16", oom_fallback="cpu") as url:
+        r = post(url, faulty.latent(faulty.OOM_FAST, tag=32))
+        assert r.status_code == 200, r.text
+        assert faulty.decoded(32)[-1] == ("cpu", 0)
+        assert metric(url, "vae_retries_total", model="faulty", path="cpu") == 1
 
 
 def test_oom_on_every_path_is_a_json_503(server):
@@ -148,14 +158,26 @@ def test_a_stream_that_fails_before_its_first_frame_is_a_json_503(server):
     assert r.status_code == 503 and "RuntimeError" in r.json()["error"]
 
 
-def test_a_stream_out_of_memory_mid_video_resumes_on_the_cpu_path(server, tmp_path):
-    """Frames 0-2 go out from the fast path; the rest come from the CPU path, none twice."""
-    r = post_mp4(server, faulty.latent(faulty.OOM_FAST, 3, tag=91, frames=6))
+def test_a_stream_out_of_memory_mid_video_resumes_tiled(server, tmp_path):
+    """Frames 0-2 go out from the untiled path; the rest come from the tiled one, none twice."""
+    r = post_mp4(server, faulty.latent(faulty.OOM_UNTILED, 3, tag=91, frames=6))
     assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
     assert mp4_frames(r.content, tmp_path) == 6
     served = faulty.decoded(91)
     assert served[:3] == [("fast", 0), ("fast", 1), ("fast", 2)]
-    assert served[-3:] == [("cpu", 3), ("cpu", 4), ("cpu", 5)]
+    assert served[-3:] == [("tiled", 3), ("tiled", 4), ("tiled", 5)]
+
+
+def test_a_stream_that_fails_midway_is_aborted_not_ended(server):
+    """Frames already sent cannot be taken back: the body is cut (no final chunk), so the
+    client sees a truncated response instead of a short but valid MP4."""
+    z = faulty.latent(faulty.OOM_ALL, 40, tag=94, frames=60)
+    with post_mp4(server, z, stream=True) as r:
+        assert r.status_code == 200
+        with pytest.raises(requests.exceptions.ChunkedEncodingError):
+            for _ in r.iter_content(1 << 16):
+                pass
+    assert post(server, faulty.latent(tag=95)).status_code == 200
 
 
 def test_a_stream_stops_decoding_when_its_client_leaves(server):
@@ -209,9 +231,10 @@ def test_the_server_caps_the_deadline():
 
 def test_the_worker_refuses_a_job_whose_deadline_passed():
     job = Job(None, torch.zeros(1), None, {}, None, deadline=time.perf_counter() - 1)
-    assert not _admit(job, time.perf_counter())
+    job.channel = FrameChannel(1 << 20, 1.0)
+    assert not admit(job, time.perf_counter())
     assert isinstance(job.future.exception(), DeadlineExceeded)
-    assert isinstance(job.first.exception(), DeadlineExceeded)
+    assert isinstance(job.channel.first.exception(), DeadlineExceeded)
 
 
 def test_a_client_that_disconnects_while_queued_is_not_decoded(server):
@@ -371,7 +394,7 @@ def test_broken_models_are_named_and_the_others_serve(broken_store):
 
 def test_without_hash_checks_corruption_is_still_named_and_ready_can_be_partial(broken_store):
     settings = dict(dtype="float32", ready_partial=True, verify_weights=False)
-    engine = Engine(Settings(models_dir=broken_store, **settings), Metrics())
+    engine = Runtime(Settings(models_dir=broken_store, **settings), Metrics())
     engine.load_all()
     assert engine.ready and set(engine.models) == {"good", "badsha"}
     assert set(engine.errors) == {"truncated", "noweights", "garbled"}

@@ -90,7 +90,9 @@ class Runtime:
                 latent = torch.zeros(shape)
                 timer = PhaseTimer()
                 self.runner.decode(model, latent, Scaling(), {}, Want.UINT8, timer)
-                log.info("warmed up %s at %s in %.3f s", model.name, shape, sum(timer.phases().values()))
+                log.info(
+                    "warmed up %s at %s in %.3f s", model.name, shape, sum(timer.phases().values())
+                )
 
     def _device_lost(self, reason: str) -> None:
         self.on_device_lost(reason)

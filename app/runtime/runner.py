@@ -246,7 +246,9 @@ class Runner:
         return host
 
     def _note_retry(self, model: ServedModel, failed: str, rung: str) -> None:
-        log.warning("model %s: out of memory on the %s decode, retrying %s", model.name, failed, rung)
+        log.warning(
+            "model %s: out of memory on the %s decode, retrying %s", model.name, failed, rung
+        )
         self.metrics.retries_total.labels(model.name, "oom", rung).inc()
 
 
