@@ -8,11 +8,13 @@ PORT ?= 8080
 
 .PHONY: install serve test lint format bake bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch==2.13.0 exactly: its CPU wheel is on local disk (a looser pin pulls a CUDA build)
 	$(PY) -m pip install --quiet -e '.[test]'
+	# the sampler-side client, its own distribution (httpx + numpy): `decode --url`, its tests
+	$(PY) -m pip install --quiet -e ./clients/python
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,16 +27,16 @@ serve: $(STAMP)
 	PORT=$(PORT) $(PY) -m app serve --models-dir $(MODELS_DIR)
 
 test: $(STAMP)
-	$(PY) -m ruff check app tests bench
+	$(PY) -m ruff check app tests bench clients/python
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
-	$(PY) -m ruff check app tests bench
-	$(PY) -m ruff format --check app tests bench
+	$(PY) -m ruff check app tests bench clients/python
+	$(PY) -m ruff format --check app tests bench clients/python
 
 format: $(STAMP)
-	$(PY) -m ruff format app tests bench
-	$(PY) -m ruff check --fix app tests bench
+	$(PY) -m ruff format app tests bench clients/python
+	$(PY) -m ruff check --fix app tests bench clients/python
 
 bench: $(STAMP)
 	$(PY) -m bench flux --size 512

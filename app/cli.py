@@ -138,6 +138,6 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _decode(args: argparse.Namespace) -> int:
-    from app.client import decode_file
+    from app.cli_decode import run
 
-    return decode_file(args)
+    return run(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from safetensors.numpy import save as save_safetensors
 
 from app.cli import main
 from tests.conftest import ROOT
-from tests.test_client import _service_mp4_missing, latent, video_server  # noqa: F401
+from tests.live import bake, live_server
 
 # Runs the CLI and reports on stderr, at exit, whether torch was ever imported.
 WRAPPER = (
@@ -21,11 +22,27 @@ WRAPPER = (
     "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, file=sys.stderr)); "
     "from app.cli import main; main(['decode', *sys.argv[1:]])"
 )
+# The same, in an environment without the client package installed.
+WITHOUT_CLIENT = "import sys; sys.modules['vae_client'] = None; " + WRAPPER
 
 
-def cli(*args: str | Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", WRAPPER, *map(str, args)]
+def cli(*args: str | Path, wrapper: str = WRAPPER) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", wrapper, *map(str, args)]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
+
+
+def latent(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def video_server(tmp_path_factory) -> Iterator[str]:
+    from app.decoders import minimax_h3
+
+    store = tmp_path_factory.mktemp("video-store")
+    bake(store, "minimax-h3", "video-tiny", minimax_h3.SYNTHETIC["minimax-h3-tiny"])
+    with live_server(store, dtype="float32", default_model="video-tiny") as url:
+        yield url
 
 
 def run_main(*args: str | Path) -> int:
@@ -107,6 +124,14 @@ def test_errors_are_one_clear_line(case, message, files, flux_store, flux_server
     assert "torch imported: False" in result.stderr  # failing fast, before the heavy import
 
 
+def test_url_without_the_client_installed_says_how_to_get_it(files, flux_server):
+    out = files["dir"] / "no-client.png"
+    result = cli(files["npy"], "--model", "flux-tiny", "-o", out, "--url", flux_server,
+                 wrapper=WITHOUT_CLIENT)  # fmt: skip
+    assert result.returncode == 1 and "pip install ./clients/python" in result.stderr
+    assert "Traceback" not in result.stderr and not out.exists()
+
+
 def test_bad_latent_in_process(files, flux_store, capsys):
     code = run_main(files["four"], "--model", "flux-tiny", "-o", files["dir"] / "x.png",
                     "--models-dir", flux_store)  # fmt: skip
@@ -115,9 +140,8 @@ def test_bad_latent_in_process(files, flux_store, capsys):
     assert err == "error: latent has 4 channels but this model takes 16 (expected: [B,16,H,W])"
 
 
-def test_video_in_process_and_through_the_service(video_server, tmp_path, capsys):  # noqa: F811
+def test_video_in_process_and_through_the_service(video_server, tmp_path, capsys):
     from app.decoders import minimax_h3
-    from tests.live import bake
 
     store = tmp_path / "store"
     bake(store, "minimax-h3", "video-tiny", minimax_h3.SYNTHETIC["minimax-h3-tiny"])
@@ -136,8 +160,6 @@ def test_video_in_process_and_through_the_service(video_server, tmp_path, capsys
     assert run_main(*common, "-o", tmp_path / "local.mp4", "--models-dir", store, "--fps", "8") == 0  # noqa: E501
     n, seconds = imageio_ffmpeg.count_frames_and_secs(str(tmp_path / "local.mp4"))
     assert n == frames and seconds == pytest.approx(frames / 8, abs=0.1)
-    if reason := _service_mp4_missing():
-        pytest.skip(f"--url mp4: {reason}")
     assert (
         run_main(*common, "-o", tmp_path / "remote.mp4", "--url", video_server, "--fps", "8") == 0
     )  # noqa: E501

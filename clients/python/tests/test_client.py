@@ -1,4 +1,4 @@
-"""app.client against a real uvicorn server on loopback (tests/live.py).
+"""vae_client against the real service on loopback (the service's tests/live.py).
 
 Overload, stalls and refusals come from the real service (a queue of depth 1) or from a
 real HTTP front (``Gate``) that answers 429 / stalls and otherwise forwards to the service.
@@ -7,8 +7,6 @@ real HTTP front (``Gate``) that answers 429 / stalls and otherwise forwards to t
 from __future__ import annotations
 
 import asyncio
-import importlib
-import inspect
 import io
 import json
 import re
@@ -25,7 +23,7 @@ import torch
 from PIL import Image
 from safetensors.numpy import save as save_safetensors
 
-from app.client import (
+from vae_client import (
     AsyncClient,
     Client,
     DeadlineExceeded,
@@ -34,7 +32,6 @@ from app.client import (
     parse_retry_after,
     parse_server_timing,
 )
-from tests.live import bake, live_server
 
 H = W = 4  # latent cells: 32x32-pixel images keep each decode cheap on a shared CPU
 
@@ -255,11 +252,16 @@ def gate(upstream: str, **options) -> Iterator[Gate]:
 
 
 def test_retry_after_is_honoured(flux_server, z, png):
-    with gate(flux_server, refuse=2, retry_after="1") as front, Client(front.url, jitter=0.2) as c:
+    options = {"jitter": 0.2, "backoff": 0.25}
+    with gate(flux_server, refuse=2, retry_after="1") as front, Client(front.url, **options) as c:
         assert c.decode(z, "flux-tiny") == png
-        assert c.last_call.attempts == 3
+        call = c.last_call
+    assert call.attempts == 3
+    # each wait is Retry-After x (1 + jitter*U) + backoff*U; the server saw them all elapse
+    longest = 1.0 * (1 + options["jitter"]) + options["backoff"]
+    assert len(call.waits) == 2 and all(1.0 <= w <= longest for w in call.waits)
     gaps = np.diff(front.arrivals)
-    assert len(gaps) == 2 and (gaps >= 1.0).all() and (gaps < 2.5).all()
+    assert len(gaps) == 2 and (gaps >= np.array(call.waits)).all()
 
 
 def test_retries_are_bounded(flux_server, z):
@@ -273,12 +275,17 @@ def test_retries_are_bounded(flux_server, z):
     assert len(front.arrivals) == 3
 
 
+# "At once" below is well under the 30 s stall / Retry-After the client must not sit out; the
+# bound leaves a slow, loaded machine room.
+AT_ONCE_S = 10.0
+
+
 def test_deadline_while_the_server_stalls(flux_server, z):
     with gate(flux_server, stall=30) as front, Client(front.url, deadline=0.6) as c:
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded):
             c.decode(z, "flux-tiny")
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < AT_ONCE_S
         assert isinstance(DeadlineExceeded(None, ""), TimeoutError)
 
 
@@ -287,11 +294,11 @@ def test_deadline_shorter_than_retry_after_fails_at_once(flux_server, z):
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded) as info:
             c.decode(z, "flux-tiny", deadline=5)
-        assert time.monotonic() - t0 < 2.0 and info.value.status == 429
+        assert time.monotonic() - t0 < AT_ONCE_S and info.value.status == 429
         assert len(front.arrivals) == 1  # it did not sleep into the deadline
 
 
-def test_a_429_storm_from_the_real_queue_is_ridden_out(flux_store):
+def test_a_429_storm_from_the_real_queue_is_ridden_out(flux_store, live_server):
     """Queue depth 1, no batching: concurrent callers overflow the queue and get 429 with
     Retry-After from the service itself; every one of them still gets its image."""
     n = 5
@@ -322,35 +329,11 @@ def test_a_429_storm_from_the_real_queue_is_ridden_out(flux_store):
 # --- video ---------------------------------------------------------------------------
 
 
-def _service_mp4_missing() -> str | None:
-    """The service imports its MP4 encoder from app/video.py, which is still being written."""
-    service = importlib.import_module("app.service")
-    wanted = re.findall(r"from app\.video import (\w+)", inspect.getsource(service))
-    try:
-        video = importlib.import_module("app.video")
-    except ImportError:
-        return "app/video.py is absent"
-    missing = [name for name in wanted if not hasattr(video, name)]
-    return f"app.video lacks {missing} that app/service.py imports" if missing else None
-
-
-@pytest.fixture(scope="module")
-def video_server(tmp_path_factory) -> Iterator[str]:
-    from app.decoders import minimax_h3
-
-    store = tmp_path_factory.mktemp("video-store")
-    bake(store, "minimax-h3", "video-tiny", minimax_h3.SYNTHETIC["minimax-h3-tiny"])
-    with live_server(store, dtype="float32", default_model="video-tiny") as url:
-        yield url
-
-
 def test_video_frames_and_mp4(video_server, tmp_path):
     zv = latent(1, 24, 2, 2, 2)  # 2 latent frames of 32x32 pixels
     with Client(video_server, timeout=60) as c:
         frames = c.decode(zv, "video-tiny", "frames")
         assert frames.ndim == 4 and frames.shape[1:] == (3, 32, 32)
-        if reason := _service_mp4_missing():
-            pytest.skip(reason)
         path = c.decode_to_file(zv, tmp_path / "v.mp4", "video-tiny", fps=12)
     import imageio_ffmpeg
 
@@ -377,5 +360,5 @@ def test_retry_after_beyond_max_backoff_is_not_slept_on(flux_server, z):
         t0 = time.monotonic()
         with pytest.raises(DecodeError) as info:
             c.decode(z, "flux-tiny")
-        assert time.monotonic() - t0 < 2.0 and info.value.status == 429
+        assert time.monotonic() - t0 < AT_ONCE_S and info.value.status == 429
         assert not isinstance(info.value, DeadlineExceeded)

@@ -1,0 +1,154 @@
+"""``python -m app decode``: one latent file -> one output file, in this process from the
+local store (app/local.py) or through a running service with ``--url`` (the sampler-side
+client, ``vae_client``, which never imports torch). Progress on stderr, ``--timings``'
+per-phase table on stdout, and any failure as one ``error:`` line and exit status 1."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from app.local import LocalDecodeError, check_latent_file, check_model, decode_file, output_for
+
+SPINNER = "|/-\\"
+PARAM_NAMES = (
+    "do_scaling",
+    "scaling_factor",
+    "shift_factor",
+    "height",
+    "width",
+    "fps",
+    "quality",
+    "timestep",
+    "seed",
+)
+
+
+class CommandError(Exception):
+    """A failure the command line reports as one line (no traceback)."""
+
+
+class Progress:
+    """An elapsed-time spinner on stderr (a TTY), plus per-chunk updates for video decodes.
+
+    Off a TTY it prints only chunk updates, at most one a second, so logs stay short.
+    """
+
+    def __init__(self, label: str, enabled: bool = True, stream: IO[str] | None = None) -> None:
+        self.label, self.stream = label, stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and self.stream.isatty()
+        self.detail, self.start, self._last_line = "", time.monotonic(), 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+
+    def __enter__(self) -> Progress:
+        if self.tty:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self.tty:
+            self._thread.join()
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+    def update(self, done: int, total: int, unit: str = "frames") -> None:
+        self.detail = f"{done}/{total} {unit}"
+        now = time.monotonic()
+        if self.enabled and not self.tty and (now - self._last_line >= 1 or done >= total):
+            self._last_line = now
+            print(f"{self.label}: {self.detail} ({now - self.start:.1f} s)", file=self.stream)
+
+    def _spin(self) -> None:
+        i = 0
+        while not self._stop.wait(0.1):
+            elapsed = time.monotonic() - self.start
+            line = f"\r{SPINNER[i % 4]} {self.label} {elapsed:6.1f} s {self.detail}\033[K"
+            self.stream.write(line)
+            self.stream.flush()
+            i += 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """0, or one ``error:`` line on stderr and a non-zero exit."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the contract is one clear line, not a traceback
+        if os.environ.get("VAE_DEBUG"):
+            raise
+        print(f"error: {_describe(exc)}", file=sys.stderr)
+        return 1
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, CommandError | LocalDecodeError | ValueError | OSError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc} (VAE_DEBUG=1 shows the traceback)"
+
+
+def _run(args: argparse.Namespace) -> int:
+    latent, out, store = Path(args.latent), Path(args.output), Path(args.models_dir)
+    check_latent_file(latent)
+    output = output_for(out)
+    if not args.url:
+        check_model(store, args.model)  # before torch's import: fail fast
+    params = {n: getattr(args, n, None) for n in PARAM_NAMES}
+    params = {k: v for k, v in params.items() if v is not None and v is not False}
+    where = args.url or f"store {store}"
+    started = time.monotonic()
+    with Progress(f"decoding {latent.name} with {args.model} ({where})", not args.quiet) as p:
+        if args.url:
+            timings = _decode_remote(args, latent, out, output, params)
+        else:
+            timings = decode_file(latent, args.model, out, store, params, on_frames=p.update)
+    elapsed = time.monotonic() - started
+    if not args.quiet:
+        print(f"wrote {out} ({out.stat().st_size} bytes) in {elapsed:.2f} s", file=sys.stderr)
+    if args.timings:
+        print(format_timings(timings, elapsed * 1000))
+    return 0
+
+
+def _decode_remote(
+    args: argparse.Namespace, latent: Path, out: Path, output: str, params: dict[str, Any]
+) -> dict[str, float]:
+    """Through a running service: the latent file is the request body, as it is on disk."""
+    try:
+        from vae_client import Client, DecodeError
+    except ImportError:
+        raise CommandError(
+            "--url needs the client: pip install ./clients/python (vae-render-client)"
+        ) from None
+    logging.getLogger("httpx").setLevel(
+        logging.WARNING
+    )  # the CLI logs at INFO: no per-request lines
+    try:
+        with Client(args.url, timeout=args.timeout, deadline=args.timeout, max_retries=3) as c:
+            c.decode_to_file(latent, out, args.model, output, **params)
+            return c.last_timings
+    except DecodeError as exc:
+        raise CommandError(str(exc)) from exc
+
+
+def format_timings(timings: dict[str, float], total_ms: float | None = None) -> str:
+    """The per-phase table ``--timings`` prints (milliseconds and share of the total)."""
+    total = timings.get("total", total_ms) or sum(timings.values()) or 1.0
+    rows = [f"{'phase':<16}{'ms':>10}{'share':>8}"]
+    for name, ms in timings.items():
+        if name != "total":
+            rows.append(f"{name:<16}{ms:>10.1f}{ms / total:>8.1%}")
+    rows.append(f"{'total':<16}{total:>10.1f}")
+    if total_ms is not None and "total" in timings:
+        rows.append(f"{'client wall':<16}{total_ms:>10.1f}")
+    return "\n".join(rows)

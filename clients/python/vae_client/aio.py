@@ -1,0 +1,106 @@
+"""The asyncio client: ``await AsyncClient(url).decode(latent, model=...)``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from vae_client.base import DEFAULT_URL, BaseClient
+from vae_client.files import atomic_write, save_array
+from vae_client.wire import (
+    ARRAY_OUTPUTS,
+    Request,
+    build_request,
+    decode_response,
+    output_for_path,
+    output_name,
+)
+
+
+class AsyncClient(BaseClient):
+    """``Client`` for asyncio callers: same arguments, ``await client.decode(...)``."""
+
+    def __init__(self, base_url: str = DEFAULT_URL, **options: Any) -> None:
+        super().__init__(base_url, **options)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def decode(
+        self,
+        latent: Any,
+        model: str | None = None,
+        output: str = "png",
+        *,
+        deadline: float | None = None,
+        **params: Any,
+    ) -> bytes | np.ndarray:
+        req = build_request(latent, model, output, params, self.token)
+        buf = bytearray()
+        response = await self._send(req, buf.extend, deadline)
+        return decode_response(req.output, buf, response.headers)
+
+    async def decode_to_file(
+        self,
+        latent: Any,
+        path: str | os.PathLike,
+        model: str | None = None,
+        output: str | None = None,
+        *,
+        deadline: float | None = None,
+        **params: Any,
+    ) -> Path:
+        path = Path(path)
+        output = output or output_for_path(path)
+        if output_name(output) in ARRAY_OUTPUTS:
+            array = await self.decode(latent, model, output, deadline=deadline, **params)
+            save_array(path, array)
+            return path
+        req = build_request(latent, model, output, params, self.token)
+        with atomic_write(path) as f:
+            await self._send(req, f.write, deadline)
+        return path
+
+    async def _send(
+        self, req: Request, sink: Callable[[bytes], Any], deadline: float | None
+    ) -> httpx.Response:
+        """``Client._send`` with awaits: the same retries, waits and deadline."""
+        attempts = self._begin(deadline)
+        while True:
+            attempts.count += 1
+            try:
+                async with self._http.stream(
+                    "POST",
+                    req.path,
+                    params=req.params,
+                    headers=req.headers,
+                    content=req.body,
+                    timeout=attempts.timeout(),
+                ) as response:
+                    attempts.last_status = response.status_code
+                    if response.status_code >= 400:
+                        wait = self._refused(attempts, response, await response.aread(), req)
+                    else:
+                        async for chunk in response.aiter_bytes():
+                            attempts.check()
+                            sink(chunk)
+                        self._finish(attempts, req, response)
+                        return response
+            except httpx.TimeoutException as exc:
+                raise attempts.timed_out(exc) from None
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+                wait = attempts.delay(None, self._unreachable(exc))
+            await asyncio.sleep(wait)

@@ -1,0 +1,147 @@
+"""The synchronous client: ``Client(url).decode(latent, model=...)`` -> encoded bytes."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from vae_client.base import DEFAULT_URL, BaseClient
+from vae_client.files import atomic_write, save_array
+from vae_client.wire import (
+    ARRAY_OUTPUTS,
+    Request,
+    build_request,
+    decode_response,
+    output_for_path,
+    output_name,
+)
+
+
+class Client(BaseClient):
+    """Decode latents against a running service (thread-safe; reuse one per process).
+
+    ``timeout``: seconds per attempt (connect/read); ``deadline``: seconds for a whole call,
+    retries included (None: no overall limit); ``max_retries``: retries of 429/503 and of
+    connection failures; ``token``: sent as ``Authorization: Bearer`` (or $VAE_TOKEN).
+    """
+
+    def __init__(self, base_url: str = DEFAULT_URL, **options: Any) -> None:
+        super().__init__(base_url, **options)
+        self._http = httpx.Client(base_url=self.base_url, timeout=self.timeout)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def decode(
+        self,
+        latent: Any,
+        model: str | None = None,
+        output: str = "png",
+        *,
+        deadline: float | None = None,
+        **params: Any,
+    ) -> bytes | np.ndarray:
+        """One latent -> encoded image/MP4 bytes, or numpy for ``tensor``/``frames``.
+
+        ``params`` are the service's query params (``do_scaling``, ``scaling_factor``,
+        ``shift_factor``, ``height``, ``width``, ``fps``, ``quality``, ``timestep``, ...).
+        """
+        req = build_request(latent, model, output, params, self.token)
+        buf = bytearray()
+        response = self._send(req, buf.extend, deadline)
+        return decode_response(req.output, buf, response.headers)
+
+    def decode_image(self, latent: Any, model: str | None = None, **params: Any) -> Any:
+        """One latent -> a ``PIL.Image`` (PNG on the wire: lossless; needs Pillow)."""
+        from PIL import Image
+
+        return Image.open(io.BytesIO(self.decode(latent, model, "png", **params)))
+
+    def decode_to_file(
+        self,
+        latent: Any,
+        path: str | os.PathLike,
+        model: str | None = None,
+        output: str | None = None,
+        *,
+        deadline: float | None = None,
+        **params: Any,
+    ) -> Path:
+        """Decode and write ``path`` (format from its suffix), streaming the body to disk."""
+        path = Path(path)
+        output = output or output_for_path(path)
+        if output_name(output) in ARRAY_OUTPUTS:
+            save_array(path, self.decode(latent, model, output, deadline=deadline, **params))
+            return path
+        req = build_request(latent, model, output, params, self.token)
+        with atomic_write(path) as f:
+            self._send(req, f.write, deadline)
+        return path
+
+    def models(self) -> dict[str, Any]:
+        return self._http.get("/models", headers=self._auth()).raise_for_status().json()
+
+    def ready(self) -> bool:
+        try:
+            return self._http.get("/readyz", headers=self._auth(), timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _send(
+        self, req: Request, sink: Callable[[bytes], Any], deadline: float | None
+    ) -> httpx.Response:
+        """POST until answered (retrying 429/503 and connection failures), body into ``sink``."""
+        attempts = self._begin(deadline)
+        while True:
+            attempts.count += 1
+            try:
+                with self._http.stream(
+                    "POST",
+                    req.path,
+                    params=req.params,
+                    headers=req.headers,
+                    content=req.body,
+                    timeout=attempts.timeout(),
+                ) as response:
+                    attempts.last_status = response.status_code
+                    if response.status_code >= 400:
+                        wait = self._refused(attempts, response, response.read(), req)
+                    else:
+                        for chunk in response.iter_bytes():
+                            attempts.check()
+                            sink(chunk)
+                        self._finish(attempts, req, response)
+                        return response
+            except httpx.TimeoutException as exc:
+                raise attempts.timed_out(exc) from None
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+                wait = attempts.delay(None, self._unreachable(exc))
+            time.sleep(wait)
+
+
+def decode(
+    latent: Any,
+    url: str = DEFAULT_URL,
+    model: str | None = None,
+    output: str = "png",
+    **params: Any,
+) -> bytes | np.ndarray:
+    """One-shot ``Client(url).decode(...)``; keep a ``Client`` for repeated calls."""
+    client_options = {
+        k: params.pop(k) for k in ("timeout", "token", "max_retries", "deadline") if k in params
+    }
+    with Client(url, **client_options) as client:
+        return client.decode(latent, model, output, **params)
