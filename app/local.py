@@ -1,10 +1,9 @@
 """Decode a latent file in this process from the local model store (``python -m app decode``
-without ``--url``), on the exact float32 CPU path the service falls back to.
+without ``--url``), by default on the exact float32 CPU path the service falls back to.
 
-``decode_file`` is the one entry point. Until the runtime's runner lands it repeats the
-service's steps after parsing (de-normalize -> decode -> to [0, 1] -> encode) with the
-service's own parsing, layout checks, ``Scaling``, ``to_unit`` and encoders; point it at the
-runner then. Module level imports no torch, so the command line fails fast on bad arguments.
+``decode_file`` is the one entry point: the service's own parsing and layout checks, then
+its runtime's runner (the same de-normalize -> decode -> uint8 steps as an HTTP decode) and
+its encoders. Module level imports no torch, so the command line fails fast on bad arguments.
 """
 
 from __future__ import annotations
@@ -106,130 +105,109 @@ def _decode(
     on_frames: FrameProgress | None,
     timer: Any,
 ) -> None:
+    import numpy as np
     import torch
 
-    decoder = _load_decoder(models_dir, model, timer)
+    from app import media
+    from app.runtime import Want
+
+    runtime, served = _load(models_dir, model, timer)
     with timer.phase("parse"):
-        z, wire_dtype = _read_latent(latent_path, params, decoder)
-    with torch.inference_mode():
-        chunks = _iter_decoded(decoder, z, params, timer, on_frames)
-        if output == "mp4":
-            _write_mp4(decoder, z, chunks, out, params, timer)
-        else:
-            decoded = _cat(list(chunks))
-            with timer.phase("encode"):
-                _write_output(decoder, decoded, out, output, params, wire_dtype)
+        z, wire_dtype = _read_latent(latent_path, params, served)
+    scaling, options = _scaling(params), {k: params[k] for k in ("timestep", "seed") if k in params}
+    if output == "mp4":
+        _check_video(served, z)
+        frames = runtime.runner.stream(served, z, scaling, options, timer)
+        fps = params.get("fps") or served.reference.config.get("fps") or 24
+        total = served.reference.frames_out(z.shape[2])
+        return _write_mp4(_counted(frames, total, on_frames), out, fps, timer)
+    want = Want.RAW if output == "tensor" else Want.UINT8
+    out_dtype = torch.uint8 if want is Want.UINT8 else wire_dtype
+    if out_dtype == torch.bfloat16:
+        out_dtype = torch.float32  # .npy has no bfloat16
+    decoded = runtime.runner.decode(served, z, scaling, options, want, timer, out_dtype)
+    with timer.phase("encode"):
+        if output == "tensor":
+            with _atomic(out) as f:
+                np.save(f, decoded.numpy())
+            return
+        if decoded.shape[0] != 1:
+            raise LocalDecodeError(
+                f"this latent decodes to {decoded.shape[0]} images; {out.suffix} holds one "
+                "(use a batch-1 latent, or .mp4 / .npy)"
+            )
+        quality = int(params.get("quality", 90))
+        data = media.encode_image(decoded[0], IMAGE_FORMATS[output], quality)
+        with _atomic(out) as f:
+            f.write(data)
 
 
-def _load_decoder(store: Path, name: str, timer: Any) -> Any:
-    import torch
+def _load(store: Path, name: str, timer: Any) -> tuple[Any, Any]:
+    """The service's runtime for this one model: the exact float32 CPU path unless the
+    environment (``VAE_DEVICE``, ``VAE_DTYPE``) asks for another, gated as the service gates."""
+    from app.config import Settings
+    from app.metrics import Metrics
+    from app.runtime import Runtime
 
-    from app.store import load_model
-
+    exact = {} if os.environ.get("VAE_DTYPE") else {"dtype": "float32"}
+    settings = Settings(models_dir=store, models=name, **exact)
     with timer.phase("load"):
-        _, decoder = load_model(store, name)
-        if any(p.dtype != torch.float32 for p in decoder.parameters()):
-            decoder = decoder.float()  # the exact path: float32, as the service's reference
-    return decoder
+        runtime = Runtime(settings, Metrics())
+        runtime.load_all()
+    if name not in runtime.models:
+        raise LocalDecodeError(runtime.errors.get(name) or f"model {name!r} did not load")
+    return runtime, runtime.models[name]
 
 
-def _read_latent(path: Path, params: dict[str, Any], decoder: Any) -> tuple[Any, Any]:
+def _scaling(params: dict[str, Any]) -> Any:
+    from app.runtime import Scaling
+
+    return Scaling(
+        params.get("scaling_factor"), params.get("shift_factor"), bool(params.get("do_scaling"))
+    )
+
+
+def _read_latent(path: Path, params: dict[str, Any], served: Any) -> tuple[Any, Any]:
     """The file -> a float32 [B,C,H,W] / [B,C,T,H,W] latent, checked as the service checks."""
-    from app.protocol import DecodeParams, ModelGeometry, parse_body, to_layout
+    from app.protocol import DecodeParams, parse_body, to_layout
 
     wire = DecodeParams(height=params.get("height"), width=params.get("width"))
     tensor = parse_body(LATENT_CONTENT_TYPES[path.suffix.lower()], path.read_bytes(), wire)
-    geo = ModelGeometry(
-        decoder.latent_channels,
-        decoder.spatial_scale,
-        decoder.temporal_scale,
-        decoder.is_video,
-        decoder.frames_out,
-    )
-    return to_layout(tensor, wire, geo).float(), tensor.dtype
+    return to_layout(tensor, wire, served.geometry).float(), tensor.dtype
 
 
-def _iter_decoded(
-    decoder: Any, z: Any, params: dict[str, Any], timer: Any, on_frames: FrameProgress | None
-) -> Iterator[Any]:
-    """De-normalize and decode; a video decoder with ``iter_decode`` yields (and reports)
-    each frame chunk as it is decoded, anything else one tensor."""
-    from app.engine import Scaling
+def _check_video(served: Any, z: Any) -> None:
+    if not served.reference.is_video:
+        raise LocalDecodeError("mp4 output needs a video model (this one decodes images)")
+    if z.shape[0] != 1:
+        raise LocalDecodeError(f"an mp4 holds one video; this latent is a batch of {z.shape[0]}")
 
-    scaling = Scaling(
-        params.get("scaling_factor"), params.get("shift_factor"), bool(params.get("do_scaling"))
-    )
-    options = {k: params[k] for k in ("timestep", "seed") if k in params}
-    with timer.phase("denormalize"):
-        z = scaling.apply(decoder, z)
-    if not (decoder.is_video and hasattr(decoder, "iter_decode")):
-        yield decoder.decode(z, timer, **options)
-        return
-    total = decoder.frames_out(z.shape[2]) if z.ndim == 5 else 1
+
+def _counted(chunks: Iterator[Any], total: int, on_frames: FrameProgress | None) -> Iterator[Any]:
     done = 0
-    for chunk in decoder.iter_decode(z, timer, **options):
-        done += chunk.shape[2]
+    for chunk in chunks:
+        done += chunk.shape[0]
         if on_frames:
             on_frames(done, total)
         yield chunk
 
 
-def _cat(chunks: list[Any]) -> Any:
-    import torch
-
-    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
-
-
-def _write_output(
-    decoder: Any, decoded: Any, out: Path, output: str, params: dict[str, Any], wire_dtype: Any
-) -> None:
-    """An image (one, as the service's image responses) or the raw decode as ``.npy``."""
-    import numpy as np
-    import torch
-
-    from app import media
-
-    if output == "tensor":
-        dtype = wire_dtype if wire_dtype != torch.bfloat16 else torch.float32
-        with _atomic(out) as f:
-            np.save(f, decoded.to(dtype).numpy())
-        return
-    unit = decoder.to_unit(decoded)
-    frames = unit.permute(0, 2, 1, 3, 4).flatten(0, 1) if unit.ndim == 5 else unit
-    if frames.shape[0] != 1:
-        raise LocalDecodeError(
-            f"this latent decodes to {frames.shape[0]} images; {out.suffix} holds one "
-            "(use a batch-1 latent, or .mp4 / .npy)"
-        )
-    data = media.encode_image(frames[0], IMAGE_FORMATS[output], int(params.get("quality", 90)))
-    with _atomic(out) as f:
-        f.write(data)
-
-
-def _write_mp4(
-    decoder: Any, z: Any, chunks: Iterator[Any], out: Path, params: dict[str, Any], timer: Any
-) -> None:
-    """Frames streamed into the encoder chunk by chunk as they are decoded, as the service
+def _write_mp4(chunks: Iterator[Any], out: Path, fps: float, timer: Any) -> None:
+    """uint8 frame chunks streamed into the encoder as they are decoded, as the service
     streams them; ``encode`` is the encoder's own time, not the decode it waits on."""
-    from app.video import encode_mp4, iter_frames
+    from app.video import encode_mp4
 
-    if not decoder.is_video:
-        raise LocalDecodeError("mp4 output needs a video model (this one decodes images)")
-    if z.shape[0] != 1:
-        raise LocalDecodeError(f"an mp4 holds one video; this latent is a batch of {z.shape[0]}")
-    fps = params.get("fps") or decoder.config.get("fps") or 24
     waited = 0.0
 
     def frames() -> Iterator[Any]:
         nonlocal waited
-        it = iter_frames(decoder.to_unit(chunk) for chunk in chunks)
         while True:
             t0 = time.perf_counter()
-            frame = next(it, None)
+            chunk = next(chunks, None)
             waited += time.perf_counter() - t0
-            if frame is None:
+            if chunk is None:
                 return
-            yield frame
+            yield from chunk.numpy()
 
     t0 = time.perf_counter()
     with _atomic(out) as f:
