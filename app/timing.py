@@ -38,6 +38,7 @@ class PhaseTimer:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """A host phase: wall time on the host clock."""
+        self._seconds.setdefault(name, 0.0)  # ordered by first start, not first end
         t0 = self.clock()
         try:
             yield

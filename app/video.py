@@ -19,6 +19,7 @@ even by repeating its last column / row (edge pixels, not black); the MP4 is tha
 
 from __future__ import annotations
 
+import functools
 import os
 import selectors
 import subprocess
@@ -69,11 +70,41 @@ def ffmpeg_args(width: int, height: int, fps: float, crf: int, preset: str) -> l
         ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-nostdin",
         "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", f"{fps:g}",
         "-i", "pipe:0", "-an",
-        "-c:v", "libx264", "-pix_fmt", "yuv420p", "-preset", preset, "-crf", str(crf),
+        *codec_args(h264_encoder(), crf, preset),
         "-g", str(max(1, round(KEYFRAME_SECONDS * fps))),
         "-movflags", "frag_keyframe+empty_moov+default_base_moof",
         "-f", "mp4", "pipe:1",
     ]  # fmt: skip
+
+
+def codec_args(encoder: str, crf: int, preset: str) -> list[str]:
+    if encoder == "h264_nvenc":  # the GPU's encoder: constant quality, its own presets
+        return ["-c:v", "h264_nvenc", "-pix_fmt", "yuv420p", "-preset", "p4", "-cq", str(crf + 2)]
+    return ["-c:v", "libx264", "-pix_fmt", "yuv420p", "-preset", preset, "-crf", str(crf)]
+
+
+@functools.cache
+def h264_encoder() -> str:
+    """``h264_nvenc`` where this ffmpeg has it and the GPU can run it (an L4 can, an H200 has
+    no NVENC), else ``libx264``. Tried once with a tiny encode: a listed encoder may still
+    fail to open on a card without the hardware. ``VAE_H264_ENCODER`` forces one."""
+    forced = os.environ.get("VAE_H264_ENCODER")
+    if forced:
+        return forced
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "libx264"
+        cmd = [
+            ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-nostdin",
+            "-f", "lavfi", "-i", "color=black:s=256x256:d=0.1", "-frames:v", "2",
+            "-c:v", "h264_nvenc", "-f", "null", "-",
+        ]  # fmt: skip
+        ok = subprocess.run(cmd, capture_output=True, timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return "h264_nvenc" if ok else "libx264"
 
 
 def encode_mp4(

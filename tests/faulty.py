@@ -14,6 +14,7 @@ cell of each batch row says what to do (the probe latent is N(0,1), so it never 
     OOM_ALL      OutOfMemoryError on every path, at frame ``arg``
     CRASH        RuntimeError on every path, at frame ``arg``
     SLEEP        sleep ``arg`` seconds (per frame)
+    STICKY       the RuntimeError of a poisoned CUDA context (device-side assert), at ``arg``
 
 ``DECODED`` records (tag, path, frame) for every frame decoded; images are frame 0.
 """
@@ -45,8 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FAMILY = "faulty"
 OOM_FAST, OOM_UNTILED, CRASH, SLEEP, OOM_ALL = 1001.0, 1002.0, 1003.0, 1004.0, 1005.0
+STICKY = 1006.0
 CONFIG = {"latent_channels": 4, "scale": 8}
 DECODED: list[tuple[float, str, int]] = []  # (tag, "fast" | "tiled" | "cpu", frame)
+BATCHES: list[int] = []  # batch size of every frame decode call, in order
 _lock = threading.Lock()
 
 
@@ -107,6 +110,7 @@ class Decoder(VAEDecoder):
             _act(command, arg, t, fast, path)
         with _lock:
             DECODED.extend((tag, path, t) for _, _, tag in rows)
+            BATCHES.append(len(rows))
         with timer.phase("conv_in"):
             x = self.proj(z.to(self.proj.weight.dtype))
         with timer.phase("up_0"):
@@ -121,8 +125,10 @@ def _commands(z: Tensor) -> list[list[float]]:
 def _act(command: float, arg: float, t: int, fast: bool, path: str) -> None:
     if command == SLEEP:
         time.sleep(arg)
-    if command not in (OOM_FAST, OOM_UNTILED, OOM_ALL, CRASH) or t != int(arg):
+    if command not in (OOM_FAST, OOM_UNTILED, OOM_ALL, CRASH, STICKY) or t != int(arg):
         return
+    if command == STICKY:
+        raise RuntimeError("CUDA error: device-side assert triggered")
     if command == OOM_ALL or (fast and command == OOM_FAST):
         raise torch.OutOfMemoryError(f"injected out of memory on the {path} path")
     if fast and command == OOM_UNTILED and path == "fast":

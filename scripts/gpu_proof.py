@@ -1,0 +1,606 @@
+"""The GPU proof: one run that shows the service's GPU path works, and how fast it is.
+
+    python scripts/gpu_proof.py [--device cuda|cpu] [--quick] [--out DIR]
+
+Sections (each one's failure is recorded and the run goes on; results are written after
+every section, so a run cut short still leaves its report):
+  gate     every family's embedded models gated on the device, each mode, every served way
+  flux     FLUX.1 decode time and peak memory: the service as served vs diffusers (bf16,
+           NCHW and channels_last) on the same device, same weights, CUDA events
+  e2e      the real HTTP service: PNG requests (Server-Timing vs client wall time) and
+           LTX MP4s read back by ffmpeg
+  ladder   a forced out-of-memory and the rungs that answered it
+  l4       an L4's memory emulated on this card: which sizes and batches decode, and how
+Writes gpu_proof.json ({"device", "gate", "flux", "e2e", "ladder", "l4", "ok", ...}) and
+gpu_proof.md to --out (default $OUT, else /tmp/gpu_proof). Exits 1 on a gate failure, a
+request error, an ungated served path or a section that failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import requests
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from app.decoders import FAMILIES, family_module  # noqa: E402
+from app.metrics import Metrics  # noqa: E402
+from app.runtime import device as devices  # noqa: E402
+from app.runtime import gate, modes  # noqa: E402
+from app.runtime.runner import Runner, Scaling, Want  # noqa: E402
+from app.timing import PhaseTimer  # noqa: E402
+from bench import common  # noqa: E402
+from bench import flux as flux_bench  # noqa: E402
+from tests.live import TINY_FLUX, bake  # noqa: E402
+
+L4_MEMORY_GB = 22.0  # what an L4's 24 GB leaves a process after the CUDA context
+
+
+class Proof:
+    def __init__(self, device: torch.device, quick: bool, out: Path) -> None:
+        self.device, self.quick, self.out = device, quick, out
+        self.report: dict = {
+            "device": _device_name(device),
+            "machine": common.machine(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "quick": quick,
+            "gate": [],
+            "flux": [],
+            "e2e": [],
+            "ladder": [],
+            "l4": [],
+            "notes": [],
+            "errors": [],
+            "ok": True,
+        }
+
+    def section(self, name: str, fn: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        print(f"== {name}", flush=True)
+        try:
+            fn()
+        except Exception:
+            self.fail(f"{name}: {traceback.format_exc(limit=6)}")
+        print(f"== {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+        self.write()
+
+    def fail(self, message: str) -> None:
+        print("FAIL", message, flush=True)
+        self.report["errors"].append(message)
+        self.report["ok"] = False
+
+    def note(self, message: str) -> None:
+        print("note:", message, flush=True)
+        self.report["notes"].append(message)
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "gpu_proof.json").write_text(json.dumps(self.report, indent=1) + "\n")
+        (self.out / "gpu_proof.md").write_text(markdown(self.report))
+
+    # --- gate -----------------------------------------------------------------------------
+    def gate(self) -> None:
+        """Every embedded model, every candidate mode on this device, every served way."""
+        for family, name, config in self._models():
+            module = family_module(family)
+            reference = module.Decoder(config)
+            module.init_synthetic(reference, torch.Generator().manual_seed(0))
+            reference.eval().requires_grad_(False)
+            probes = gate.Probes(reference)
+            for mode in self._gate_modes():
+                self._gate_one(name, family, reference, probes, mode)
+
+    def _models(self) -> list[tuple[str, str, dict]]:
+        """(family, name, config) of every embedded model; a quick run swaps the full-size
+        FLUX.1 for a tiny one (minutes of float32 CPU decoding otherwise)."""
+        out = []
+        for family in FAMILIES:
+            for name, config in getattr(family_module(family), "SYNTHETIC", {}).items():
+                if self.quick and name == "flux1-synthetic":
+                    name, config = "flux-tiny", TINY_FLUX["flux-tiny"]
+                out.append((family, name, config))
+        return out
+
+    def _gate_modes(self) -> list[modes.Mode]:
+        if self.device.type == "cuda":
+            return [modes.Mode(torch.bfloat16), modes.Mode(torch.float32)]
+        return modes.candidate_modes("auto", self.device)
+
+    def _gate_one(self, name, family, reference, probes, mode) -> None:
+        t0 = time.perf_counter()
+        fast = modes.build(reference, self.device, mode)
+        result = gate.run(fast, probes)
+        expected = {"batch1", "batch2", "denormalized"} | (
+            {"tiled"} if reference.supports_tiling else set()
+        )
+        checked = {c.name for c in result.checks}
+        row = {
+            "model": name,
+            "family": family,
+            "dtype": str(mode.dtype).removeprefix("torch."),
+            "cos": result.cosine,
+            "psnr_db": _finite(result.psnr_db),
+            "passed": result.passed(0.9999),
+            "checks": result.describe(),
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        self.report["gate"].append(row)
+        print(f"  {name} {mode}: cos {result.cosine:.7f} psnr {result.psnr_db:.1f} dB", flush=True)
+        if not expected <= checked:
+            self.fail(f"gate: {name} {mode}: served ways not gated: {expected - checked}")
+        if not row["passed"]:
+            self.fail(f"gate: {name} {mode}: cosine {result.cosine:.6f} < 0.9999")
+        del fast
+        _empty(self.device)
+
+    # --- FLUX speed -----------------------------------------------------------------------
+    def flux(self) -> None:
+        ours, peer = flux_bench.build()
+        cases = (
+            [(256, 1)]
+            if self.quick and self.device.type == "cpu"
+            else [(512, 1), (1024, 1), (1024, 4)]
+        )
+        repeats = 1 if self.device.type == "cpu" else 10
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        variants = {
+            "service": lambda: _service(ours, self.device, dtype),
+            "diffusers NCHW": lambda: _diffusers(peer, self.device, dtype, False),
+            "diffusers channels_last": lambda: _diffusers(peer, self.device, dtype, True),
+        }
+        for variant, make in variants.items():
+            decode = make()
+            for size, batch in cases:
+                z = torch.randn(
+                    batch, 16, size // 8, size // 8, generator=torch.Generator().manual_seed(1)
+                )
+                row = self._time(decode, z, repeats)
+                row.update(size=size, batch=batch, variant=f"{variant} {str(dtype)[6:]}")
+                self.report["flux"].append(row)
+                print(
+                    f"  {row['variant']} {size}^2 x{batch}: {row['ms']:.1f} ms, peak {row['peak_mib']} MiB",
+                    flush=True,
+                )
+            del decode
+            _empty(self.device)
+        self._ratios()
+
+    def _time(self, decode, z: torch.Tensor, repeats: int) -> dict:
+        z = z.to(self.device)
+        with torch.inference_mode():
+            for _ in range(1 if self.device.type == "cpu" else 3):
+                decode(z)
+            devices.synchronize(self.device)
+            base = _allocated(self.device)
+            _reset_peak(self.device)
+            times = []
+            for _ in range(repeats):
+                times.append(_timed(decode, z, self.device))
+            peak = _peak(self.device) - base
+        return {"ms": statistics.median(times) * 1000, "peak_mib": round(peak / 2**20)}
+
+    def _ratios(self) -> None:
+        rows = self.report["flux"]
+        for row in rows:
+            if not row["variant"].startswith("service"):
+                continue
+            peers = [
+                r["ms"]
+                for r in rows
+                if "diffusers" in r["variant"]
+                and (r["size"], r["batch"]) == (row["size"], row["batch"])
+            ]
+            if peers:
+                row["vs_diffusers_best"] = round(min(peers) / row["ms"], 3)
+
+    # --- end to end -----------------------------------------------------------------------
+    def e2e(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            store = Path(tmp) / "models"
+            image_model = "flux-tiny" if self.quick else "flux1-synthetic"
+            only = ["ltx-tiny"] + ([] if self.quick else [image_model])
+            bake_cmd = [sys.executable, "-m", "app", "bake", "--synthetic"]
+            _run([*bake_cmd, "--models-dir", str(store), "--only", *only])
+            if self.quick:
+                bake(store, "flux", image_model, TINY_FLUX[image_model])
+            size = 256 if self.quick else 1024
+            env = {
+                "VAE_DEVICE": self.device.type,
+                "VAE_WARMUP_SHAPES": f"1x16x{size // 8}x{size // 8}",
+            }
+            with _server(store, Path(tmp) / "serve.log", env) as url:
+                self._png_requests(url, image_model, size, 3 if self.quick else 20)
+                self._mp4_requests(url, Path(tmp), 2 if self.quick else 5)
+                self.report["models"] = requests.get(f"{url}/models", timeout=10).json()["models"]
+
+    def _png_requests(self, url: str, model: str, size: int, count: int) -> None:
+        rng = np.random.default_rng(0)
+        for i in range(count):
+            z = rng.standard_normal((1, 16, size // 8, size // 8), dtype=np.float32)
+            t0 = time.perf_counter()
+            r = requests.post(
+                f"{url}/decode/{model}",
+                params={"shape": json.dumps(list(z.shape)), "dtype": "float32"},
+                data=z.tobytes(),
+                headers={"Content-Type": "tensor/binary", "Accept": "image/png"},
+                timeout=300,
+            )
+            wall = (time.perf_counter() - t0) * 1000
+            if r.status_code != 200 or r.content[:8] != b"\x89PNG\r\n\x1a\n":
+                self.fail(f"e2e png {i}: {r.status_code} {r.text[:300]}")
+                continue
+            phases = _server_timing(r.headers.get("server-timing", ""))
+            self.report["e2e"].append(
+                {"output": "png", "size": size, "ms_total": wall, "phases": phases}
+            )
+        self._encode_share("png")
+
+    def _mp4_requests(self, url: str, tmp: Path, count: int) -> None:
+        import imageio_ffmpeg
+
+        rng = np.random.default_rng(1)
+        for i in range(count):
+            z = rng.standard_normal((1, 128, 5, 8, 8), dtype=np.float32)  # 33 frames, 256^2
+            t0 = time.perf_counter()
+            r = requests.post(
+                f"{url}/decode/ltx-tiny",
+                params={"shape": json.dumps(list(z.shape)), "output_type": "mp4"},
+                data=z.tobytes(),
+                headers={"Content-Type": "tensor/binary"},
+                timeout=300,
+            )
+            wall = (time.perf_counter() - t0) * 1000
+            path = tmp / f"ltx{i}.mp4"
+            path.write_bytes(r.content)
+            frames = 0
+            if r.status_code == 200:
+                frames, _ = imageio_ffmpeg.count_frames_and_secs(str(path))
+            if r.status_code != 200 or frames != 33:
+                self.fail(f"e2e mp4 {i}: {r.status_code}, {frames} frames: {r.text[:200]}")
+                continue
+            phases = _server_timing(r.headers.get("server-timing", ""))
+            self.report["e2e"].append(
+                {"output": "mp4", "frames": frames, "ms_total": wall, "phases": phases}
+            )
+
+    def _encode_share(self, output: str) -> None:
+        rows = [r for r in self.report["e2e"] if r["output"] == output]
+        if not rows:
+            return
+        encode = statistics.median(r["phases"].get("encode", 0.0) for r in rows)
+        decode = statistics.median(_decode_ms(r["phases"]) for r in rows)
+        total = statistics.median(r["ms_total"] for r in rows)
+        self.note(
+            f"{output}: median client wall {total:.1f} ms, decode {decode:.1f} ms, "
+            f"encode {encode:.1f} ms ({100 * encode / max(total, 1e-9):.0f}% of the request)"
+        )
+
+    # --- out of memory --------------------------------------------------------------------
+    def ladder(self) -> None:
+        """A real out-of-memory: the estimate is told everything fits, the card's memory is
+        capped, and a large batch is decoded; the rungs that answered are recorded."""
+        if self.device.type != "cuda":
+            self.note("ladder: needs a CUDA device (the CPU tests inject out-of-memory instead)")
+            return
+        served, runner, metrics = self._served_flux(memory_cap=0)
+        served.fast.working_values_per_pixel = 1  # the estimate says it fits: a real OOM
+        devices.prepare(self.device, int(8 * 2**30))  # an 8 GB card
+        try:
+            for size, batch in [(2048, 4), (2048, 1)]:
+                self.report["ladder"].append(self._decode_row(served, runner, metrics, size, batch))
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            served.fast.working_values_per_pixel = type(served.fast).working_values_per_pixel
+
+    def l4(self) -> None:
+        """An L4's memory on this card: the budget check plans every decode."""
+        if self.device.type != "cuda":
+            self.note("l4: needs a CUDA device")
+            return
+        cap = int(L4_MEMORY_GB * 2**30)
+        served, runner, metrics = self._served_flux(memory_cap=cap)
+        devices.prepare(self.device, cap)
+        try:
+            for size, batch in [(1024, 1), (1024, 4), (1024, 8), (2048, 1), (2048, 2)]:
+                self.report["l4"].append(self._decode_row(served, runner, metrics, size, batch))
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+
+    def _served_flux(self, memory_cap: int):
+        from app.runtime.registry import ServedModel
+        from app.store import Manifest
+
+        ours, _ = flux_bench.build()
+        fast = modes.build(ours, self.device, modes.Mode(torch.bfloat16))
+        manifest = Manifest("flux1-synthetic", "flux", ours.config, "float32", "proof", "")
+        served = ServedModel(
+            "flux1-synthetic", manifest, ours, fast, self.device, modes.Mode(torch.bfloat16),
+            gate.EXACT_REPORT, False,
+        )  # fmt: skip
+        metrics = Metrics()
+        return served, Runner(metrics, "off", memory_cap), metrics
+
+    def _decode_row(self, served, runner: Runner, metrics: Metrics, size: int, batch: int) -> dict:
+        _empty(self.device)
+        _reset_peak(self.device)
+        z = torch.randn(batch, 16, size // 8, size // 8)
+        timer = PhaseTimer()
+        row = {"size": size, "batch": batch}
+        t0 = time.perf_counter()
+        try:
+            out = runner.decode(served, z, Scaling(), {}, Want.UINT8, timer)
+            row.update(ok=True, shape=list(out.shape))
+        except Exception as exc:
+            row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+        row["ms"] = (time.perf_counter() - t0) * 1000
+        row["peak_mib"] = round(_peak(self.device) / 2**20)
+        row["retries"] = _retries(metrics)
+        row["phases_ms"] = {k: round(v * 1000, 2) for k, v in timer.phases().items()}
+        print(f"  {size}^2 x{batch}: {row}", flush=True)
+        return row
+
+    # --- CUDA graphs ------------------------------------------------------------------------
+    def graphs(self) -> None:
+        """Is a captured CUDA graph of the served FLUX decode faster than eager launches?"""
+        if self.device.type != "cuda":
+            self.note("graphs: needs a CUDA device")
+            return
+        ours, _ = flux_bench.build()
+        fast = modes.build(ours, self.device, modes.Mode(torch.bfloat16))
+        for size in (512, 1024):
+            static = torch.randn(1, 16, size // 8, size // 8, device=self.device)
+            with torch.inference_mode():
+                eager = self._time(lambda z: fast.decode(z, tiled=False), static, 10)["ms"]
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(3):
+                        fast.decode(static, tiled=False)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_out = fast.decode(static, tiled=False)
+                replay = self._time(lambda z: graph.replay(), static, 10)["ms"]
+                same = torch.equal(static_out, fast.decode(static, tiled=False))
+            row = {"size": size, "eager_ms": eager, "graph_ms": replay, "identical": same}
+            self.report.setdefault("graphs", []).append(row)
+            print(f"  graphs {row}", flush=True)
+            del graph, static_out
+
+    # --- encoder --------------------------------------------------------------------------
+    def encoder(self) -> None:
+        from app import video
+
+        self.report["h264_encoder"] = video.h264_encoder()
+        self.note(f"MP4 encoder in use: {self.report['h264_encoder']}")
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _service(ours, device: torch.device, dtype: torch.dtype):
+    fast = modes.build(ours, device, modes.Mode(dtype))
+    options = {"tiled": False} if device.type == "cuda" else {}
+    return lambda z: fast.decode(z, **options)
+
+
+def _diffusers(peer, device: torch.device, dtype: torch.dtype, channels_last: bool):
+    import copy
+
+    model = copy.deepcopy(peer).to(device=device, dtype=dtype)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return lambda z: model.decode(z.to(dtype)).sample
+
+
+def _timed(decode, z: torch.Tensor, device: torch.device) -> float:
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        decode(z)
+        return time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    decode(z)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else common.rss_bytes()
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        common.reset_peak_rss()
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return common.peak_rss_bytes()
+
+
+def _empty(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _retries(metrics: Metrics) -> dict[str, float]:
+    out = {}
+    for metric in metrics.retries_total.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                out[sample.labels["path"]] = sample.value
+    return out
+
+
+def _server_timing(header: str) -> dict[str, float]:
+    phases = {}
+    for part in header.split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if dur:
+            phases[name] = float(dur)
+    return phases
+
+
+def _decode_ms(phases: dict[str, float]) -> float:
+    host = {"parse", "queue", "encode", "total"}
+    return sum(v for k, v in phases.items() if k not in host)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({common.machine()})"
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and abs(x) != float("inf") else None
+
+
+def _run(cmd: list[str]) -> None:
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
+class _server:
+    """``python -m app serve`` on a loopback port until the block ends."""
+
+    def __init__(self, store: Path, log: Path, env: dict[str, str]) -> None:
+        self.store, self.log, self.env = store, log, env
+
+    def __enter__(self) -> str:
+        from tests.live import free_port
+
+        port = free_port()
+        env = {**os.environ, "VAE_LOG_FORMAT": "text", **self.env}
+        cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [*cmd, "--models-dir", str(self.store)], cwd=ROOT, env=env, stdout=out, stderr=out
+            )
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                if requests.get(f"{url}/readyz", timeout=1).status_code == 200:
+                    return url
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"service not ready:\n{self.log.read_text()[-3000:]}")
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        print("  service log tail:\n" + self.log.read_text()[-1500:], flush=True)
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"# GPU proof: {r['device']}",
+        "",
+        f"- started {r['started']}; machine: {r['machine']}",
+        f"- result: {'PASS' if r['ok'] else 'FAIL'}" + (" (quick)" if r["quick"] else ""),
+        "",
+        "## Parity gate (every served way: batch 1, batch 2, de-normalized, tiled)",
+        "",
+        "| model | family | dtype | min cosine | min PSNR dB | passed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for g in r["gate"]:
+        psnr = "inf" if g["psnr_db"] is None else f"{g['psnr_db']:.1f}"
+        lines.append(
+            f"| {g['model']} | {g['family']} | {g['dtype']} | {g['cos']:.7f} | {psnr} | {g['passed']} |"
+        )
+    lines += [
+        "",
+        "## FLUX.1 decode (CUDA events, median; peak above the weights)",
+        "",
+        "| size | batch | variant | ms | peak MiB | diffusers best / this |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in r["flux"]:
+        ratio = f.get("vs_diffusers_best", "")
+        lines.append(
+            f"| {f['size']} | {f['batch']} | {f['variant']} | {f['ms']:.2f} | {f['peak_mib']} | {ratio} |"
+        )
+    lines += ["", "## HTTP end to end", "", "| output | client ms | phases (ms) |", "|---|---|---|"]
+    for e in r["e2e"]:
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in e["phases"].items())
+        lines.append(f"| {e['output']} | {e['ms_total']:.1f} | {phases} |")
+    for title, key in (("Out-of-memory ladder", "ladder"), ("L4 memory emulated", "l4")):
+        lines += [
+            "",
+            f"## {title}",
+            "",
+            "| size | batch | ok | ms | peak MiB | retries |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in r[key]:
+            lines.append(
+                f"| {row['size']} | {row['batch']} | {row['ok']} | {row['ms']:.0f} | "
+                f"{row['peak_mib']} | {row['retries'] or ''} {row.get('error', '')} |"
+            )
+    lines += [
+        "",
+        "## CUDA graphs (FLUX.1 bf16, batch 1)",
+        "",
+        "| size | eager ms | graph replay ms | identical |",
+        "|---|---|---|---|",
+    ]
+    for g in r.get("graphs", []):
+        lines.append(
+            f"| {g['size']} | {g['eager_ms']:.2f} | {g['graph_ms']:.2f} | {g['identical']} |"
+        )
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
+    if r["errors"]:
+        lines += ["", "## Errors", ""] + [f"```\n{e}\n```" for e in r["errors"]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="small sizes (a CPU run)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/gpu_proof"))
+    parser.add_argument("--only", nargs="*", help="sections to run (default: all)")
+    args = parser.parse_args()
+    device = devices.resolve(args.device)
+    devices.prepare(device)
+    proof = Proof(device, args.quick, args.out)
+    print(devices.describe(device), flush=True)
+    sections = ["encoder", "gate", "flux", "e2e", "graphs", "ladder", "l4"]
+    for name in args.only or sections:
+        proof.section(name, getattr(proof, name))
+    proof.write()
+    print(f"wrote {args.out}/gpu_proof.md: {'PASS' if proof.report['ok'] else 'FAIL'}")
+    sys.exit(0 if proof.report["ok"] else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The runtime on the CPU: stage timing, the memory ladder, sticky device errors, streams.
+
+GPU behaviour is exercised with the real code under a fake device-memory budget and the
+``faulty`` family's injected errors; scripts/gpu_proof.sh proves the same on a real card."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+import torch
+from torch import nn
+
+from app import timing
+from app.config import Settings
+from app.metrics import Metrics
+from app.runtime import Runtime, Scaling, Want
+from app.runtime import runner as runner_module
+from app.runtime.runner import OutOfMemory
+from app.timing import PhaseTimer
+from tests import faulty
+from tests.live import live_server
+
+
+@pytest.fixture(scope="module", autouse=True)
+def faulty_family():
+    with faulty.registered():
+        yield
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    store = tmp_path_factory.mktemp("runtime-store")
+    faulty.bake(store, "faulty")
+    faulty.bake(store, "faulty-video", video=True)
+    return store
+
+
+@pytest.fixture(scope="module")
+def runtime(store):
+    runtime = Runtime(Settings(models_dir=store, device="cpu", dtype="bfloat16"), Metrics())
+    runtime.load_all()
+    return runtime
+
+
+def rows(*commands: tuple[float, float, float]) -> torch.Tensor:
+    """A batch whose rows carry (command, arg, tag)."""
+    return torch.cat([faulty.latent(*c) for c in commands])
+
+
+def decode(runtime: Runtime, z: torch.Tensor, model: str = "faulty") -> torch.Tensor:
+    served = runtime.models[model]
+    return runtime.runner.decode(served, z, Scaling(), {}, Want.RAW, PhaseTimer())
+
+
+def retries(runtime: Runtime, path: str) -> float:
+    return runtime.metrics.retries_total.labels("faulty", "oom", path)._value.get()
+
+
+# --- timing -------------------------------------------------------------------------------
+
+
+def test_host_phases_use_the_injected_clock_and_keep_their_order():
+    now = [0.0]
+    timer = PhaseTimer(clock=lambda: now[0])
+    for name, seconds in [("parse", 0.5), ("queue", 2.0), ("parse", 0.25)]:
+        with timer.phase(name):
+            now[0] += seconds
+    assert timer.phases() == {"parse": 0.75, "queue": 2.0}
+
+
+def test_stage_hooks_time_only_the_active_timer_of_their_own_thread():
+    """One resident module, two requests in two threads: each timer sees its own calls,
+    and a call with no active timer (the gate, a test) records nothing anywhere."""
+    stage = nn.Identity()
+    timing.instrument([("mid", stage)])
+    timing.instrument([("mid", stage)])  # idempotent: one hook pair
+    timers = [PhaseTimer(), PhaseTimer()]
+    calls = [3, 5]
+
+    def run(timer: PhaseTimer, n: int) -> None:
+        with timer.active():
+            for _ in range(n):
+                with timing.phase("blend"):
+                    stage(torch.zeros(1))
+
+    threads = [threading.Thread(target=run, args=a) for a in zip(timers, calls, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stage(torch.zeros(1))  # untimed
+    for timer in timers:
+        assert list(timer.phases()) == ["blend", "mid"]
+        assert all(s >= 0 for s in timer.phases().values())
+    assert len(stage._forward_hooks) == 1 and len(stage._forward_pre_hooks) == 1
+
+
+def test_phases_never_wait_on_pending_device_work():
+    """``phases`` only reports what ``resolve`` has turned into seconds."""
+    timer = PhaseTimer()
+    timer.add("parse", 0.1)
+    timer.resolve()  # nothing pending: a no-op
+    assert timer.phases() == {"parse": 0.1}
+
+
+# --- the memory ladder --------------------------------------------------------------------
+
+
+def test_a_batch_over_the_budget_is_split_before_decoding(runtime, monkeypatch):
+    served = runtime.models["faulty"]
+    one = served.fast.working_bytes((1, 4, 4, 4), 2)
+    monkeypatch.setattr(runner_module.devices, "memory_budget", lambda d, c: int(2.5 * one))
+    faulty.BATCHES.clear()
+    out = decode(runtime, rows((0, 0, 81), (0, 0, 82), (0, 0, 83), (0, 0, 84), (0, 0, 85)))
+    assert out.shape[0] == 5
+    assert faulty.BATCHES == [2, 2, 1]  # pieces that fit, in order, nothing decoded twice
+    assert [path for path, _ in faulty.decoded(83)] == ["fast"]
+
+
+def test_a_latent_over_the_budget_is_decoded_tiled_or_refused(runtime, monkeypatch):
+    served = runtime.models["faulty"]
+    monkeypatch.setattr(runner_module.devices, "memory_budget", lambda d, c: 1000)
+    decode(runtime, rows((0, 0, 86)))
+    assert faulty.decoded(86) == [("tiled", 0)]
+    monkeypatch.setattr(served.fast, "supports_tiling", False)
+    with pytest.raises(OutOfMemory, match="GiB of device memory"):
+        decode(runtime, rows((0, 0, 87)))
+    assert faulty.decoded(87) == []  # refused before any decoding
+
+
+def test_out_of_memory_splits_the_batch_then_tiles_the_row_that_needs_it(runtime):
+    before = retries(runtime, "split"), retries(runtime, "tiled")
+    out = decode(runtime, rows((faulty.OOM_UNTILED, 0, 71), (0, 0, 72)))
+    assert out.shape[0] == 2
+    assert faulty.decoded(71)[-1] == ("tiled", 0) and faulty.decoded(72)[-1] == ("fast", 0)
+    assert ("cpu", 0) not in faulty.decoded(71)
+    assert retries(runtime, "split") - before[0] == 1
+    assert retries(runtime, "tiled") - before[1] == 1
+
+
+def test_out_of_memory_on_every_rung_is_out_of_memory_not_a_cpu_decode(runtime):
+    before = retries(runtime, "tiled"), retries(runtime, "cpu")
+    with pytest.raises(OutOfMemory):
+        decode(runtime, rows((faulty.OOM_ALL, 0, 73)))
+    assert retries(runtime, "tiled") - before[0] == 1  # tried tiled once, then gave up
+    assert retries(runtime, "cpu") == before[1]  # never the minutes-long CPU decode
+
+
+def test_non_finite_output_is_refused(runtime):
+    z = faulty.latent(tag=74)
+    z[0, 3] = float("nan")
+    with pytest.raises(runner_module.NonFiniteOutput):
+        decode(runtime, z)
+
+
+# --- a sticky device error -----------------------------------------------------------------
+
+
+def post(url: str, z: torch.Tensor, model: str = "faulty", **params):
+    return requests.post(
+        f"{url}/decode/{model}",
+        data=z.numpy().tobytes(),
+        params={"shape": json.dumps(list(z.shape)), "output_type": "pt", **params},
+        headers={"Content-Type": "tensor/binary"},
+        timeout=30,
+    )
+
+
+def test_a_sticky_device_error_takes_the_instance_out_of_service(store):
+    with live_server(store, device="cpu", dtype="bfloat16") as url:
+        assert post(url, faulty.latent(tag=75)).status_code == 200
+        r = post(url, faulty.latent(faulty.STICKY, tag=76))
+        assert r.status_code == 503 and "lost its device" in r.json()["error"]
+        ready = requests.get(f"{url}/readyz")
+        assert ready.status_code == 503 and "device lost" in ready.json()["reason"]
+        r = post(url, faulty.latent(tag=77))  # everything after is refused, not decoded
+        assert r.status_code == 503 and faulty.decoded(77) == []
+
+
+SERVE_FAULTY = (
+    "import sys; from tests import faulty; faulty.register(); from app.cli import main; "
+    "main(sys.argv[1:])"
+)
+
+
+def test_a_sticky_device_error_makes_the_server_exit(store, tmp_path):
+    port = faulty.free_port()
+    cmd = [sys.executable, "-c", SERVE_FAULTY, "serve", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--models-dir", str(store)]
+    env = {"VAE_DEVICE": "cpu", "VAE_DTYPE": "bfloat16", "VAE_DRAIN_GRACE_S": "2"}
+    log = tmp_path / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, cwd=faulty.ROOT, env={**faulty.os.environ, **env}, stdout=out, stderr=out
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        faulty._wait_ready(url, proc, log)
+        assert post(url, faulty.latent(faulty.STICKY)).status_code == 503
+        assert proc.wait(30) is not None  # it left, so the platform replaces it
+        assert "device lost" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+# --- streams ------------------------------------------------------------------------------
+
+
+def stalled_mp4_request(url: str, frames: int) -> socket.socket:
+    """POST a long MP4 over a raw socket with a tiny receive buffer, read the status line,
+    then read nothing more: a client that stalled."""
+    z = faulty.latent(tag=78, size=128, frames=frames)
+    z[0, 3:] = torch.randn(z[0, 3:].shape, generator=torch.Generator().manual_seed(0))
+    body = z.numpy().tobytes()
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    query = f"shape={json.dumps(list(z.shape)).replace(' ', '')}&output_type=mp4"
+    head = (
+        f"POST /decode/faulty-video?{query} HTTP/1.1\r\nHost: x\r\n"
+        f"Content-Type: tensor/binary\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)
+    assert sock.recv(12).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def test_a_stalled_mp4_reader_costs_only_its_own_stream(store):
+    settings = dict(stream_buffer_mb=1, stream_wait_s=0.5, stream_stall_s=60)
+    with live_server(store, device="cpu", dtype="float32", **settings) as url:
+        sock = stalled_mp4_request(url, frames=250)
+        try:
+            t0 = time.monotonic()
+            r = post(url, faulty.latent(tag=79))  # another request, same worker
+            waited = time.monotonic() - t0
+            assert r.status_code == 200
+            assert waited < 20  # not the 60 s stall limit of the stalled reader
+            # the dropped stream ends without its final chunk: the truncation is visible
+            sock.settimeout(30)
+            received = b""
+            while chunk := sock.recv(1 << 16):
+                received += chunk
+            assert not received.endswith(b"0\r\n\r\n")
+        finally:
+            sock.close()
+        assert len(faulty.decoded(78)) < 250  # the worker stopped decoding it
