@@ -779,6 +779,7 @@ def _decode_local(
 def _load_decoder(store: Path, name: str, timer: Any) -> Any:
     import torch
 
+    from app import timing
     from app.store import list_models, load_model
 
     with timer.phase("load"):
@@ -788,6 +789,7 @@ def _load_decoder(store: Path, name: str, timer: Any) -> Any:
         _, decoder = load_model(store, name)
         if any(p.dtype != torch.float32 for p in decoder.parameters()):
             decoder = decoder.float()  # the exact path: float32, as the service's reference
+    timing.instrument(decoder.stages())
     return decoder
 
 
@@ -830,14 +832,17 @@ def _iter_decoded(
     with timer.phase("denormalize"):
         z = scaling.apply(decoder, z)
     if not (decoder.is_video and hasattr(decoder, "iter_decode")):
-        yield decoder.decode(z, timer, **options)
+        with timer.active():
+            out = decoder.decode(z, **options)
+        yield out
         return
     total = decoder.frames_out(z.shape[2]) if z.ndim == 5 else 1
     done = 0
-    for chunk in decoder.iter_decode(z, timer, **options):
-        done += chunk.shape[2]
-        progress.update(done, total)
-        yield chunk
+    with timer.active():
+        for chunk in decoder.iter_decode(z, **options):
+            done += chunk.shape[2]
+            progress.update(done, total)
+            yield chunk
 
 
 def _cat(chunks: list[Any]) -> Any:

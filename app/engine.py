@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app import fastpath
+from app import fastpath, timing
 from app.config import Settings
 from app.decoders.base import VAEDecoder
 from app.metrics import Metrics
@@ -45,11 +45,6 @@ class DeadlineExceeded(Exception):
     def __init__(self, waited: float) -> None:
         super().__init__(f"the request's deadline passed after {waited:.2f} s in the queue")
         self.waited = waited
-
-
-# Decode options that make a family decode in tiles, for the out-of-memory retry; a decoder
-# class may also declare its own as ``tiled_retry_options``.
-TILED_RETRY: dict[str, dict[str, Any]] = {"ltx": {"tile": True}}
 
 
 @dataclass
@@ -194,9 +189,11 @@ class Engine:
         t0 = time.perf_counter()
         manifest, decoder = load_model(store, name, verify=self.settings.verify_weights)
         reference = decoder.float() if _has_non_float32(decoder) else decoder
+        timing.instrument(reference.stages())
         fast, dtype, gate = reference, torch.float32, fastpath.GateResult(1.0, True)
         for path in fastpath.candidate_paths(self.settings.dtype, device):
             fast, dtype = fastpath.make_fast(reference, device, path), path.dtype
+            timing.instrument(fast.stages())
             gate = fastpath.parity_gate(fast, reference, self.settings.parity_min_cos)
             log.info("model %s: %s %s parity cosine %.7f", name, device, path, gate.cosine)
             if gate.passed:
@@ -383,9 +380,9 @@ class Engine:
         for i, (decoder, extra, _) in enumerate(paths):
             skip = sent
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), job.timer.active():
                     z = self._prepare(decoder, job.latent, job.scaling, job.timer)
-                    for chunk in decoder.iter_decode(z, job.timer, **job.options, **extra):
+                    for chunk in decoder.iter_decode(z, **job.options, **extra):
                         unit = decoder.to_unit(chunk.float()).cpu()[:, :, skip:]
                         skip = max(0, skip - chunk.shape[2])
                         if unit.shape[2]:
@@ -423,11 +420,8 @@ class Engine:
     def _paths(model: ServedModel) -> list[tuple[VAEDecoder, dict[str, Any], str]]:
         """(decoder, extra options, label): the served path, its tiled variant, the CPU path."""
         paths: list[tuple[VAEDecoder, dict[str, Any], str]] = [(model.active, {}, "served")]
-        tiled = getattr(model.active, "tiled_retry_options", None) or TILED_RETRY.get(
-            model.manifest.family
-        )
-        if tiled:
-            paths.append((model.active, dict(tiled), "tiled"))
+        if model.active.supports_tiling:
+            paths.append((model.active, {"tiled": True}, "tiled"))
         if model.active is not model.reference:
             paths.append((model.reference, {}, "cpu"))
         return paths
@@ -460,7 +454,8 @@ class Engine:
         timer: PhaseTimer,
     ) -> Tensor:
         z = self._prepare(decoder, latent, scaling, timer)
-        out = decoder.decode(z, timer, **options)
+        with timer.active():
+            out = decoder.decode(z, **options)
         with timer.phase("download"):
             return out.float().cpu()
 
