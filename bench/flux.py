@@ -19,16 +19,17 @@ import torch
 from diffusers import AutoencoderKL
 
 from app.decoders import flux
+from app.decoders.flux.model import FLUX1_CONFIG
 from app.decoders.ops import cosine
 from app.fastpath import Path, cpu_has_fast_bf16, make_fast
 from bench import common
 
 
 def build(seed: int = 0) -> tuple[flux.Decoder, AutoencoderKL]:
-    ours = flux.Decoder(flux.FLUX1_CONFIG)
+    ours = flux.Decoder(FLUX1_CONFIG)
     flux.init_synthetic(ours, torch.Generator().manual_seed(seed))
     ours.eval().requires_grad_(False)
-    cfg = flux.FLUX1_CONFIG
+    cfg = FLUX1_CONFIG
     n = len(cfg["block_out_channels"])
     ref = AutoencoderKL(
         latent_channels=16,
