@@ -130,19 +130,3 @@ def _stage_end(module: nn.Module, args: tuple, output: object) -> None:
     scopes = timer._open.get(id(module)) if timer is not None else None
     if scopes:
         scopes.pop().__exit__(None, None, None)
-
-
-class NullTimer(PhaseTimer):
-    """Records nothing. Transitional: decoders that still take a timer argument default to it."""
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        yield
-
-    device_phase = phase
-
-    def add(self, name: str, seconds: float) -> None:
-        pass
-
-
-NULL_TIMER = NullTimer()

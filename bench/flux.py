@@ -19,6 +19,7 @@ import torch
 from diffusers import AutoencoderKL
 
 from app.decoders import flux
+from app.decoders.flux.model import FLUX1_CONFIG
 from app.decoders.ops import cosine
 from app.runtime.device import cpu_has_fast_bf16
 from app.runtime.modes import Mode, build
@@ -26,10 +27,10 @@ from bench import common
 
 
 def build(seed: int = 0) -> tuple[flux.Decoder, AutoencoderKL]:
-    ours = flux.Decoder(flux.FLUX1_CONFIG)
+    ours = flux.Decoder(FLUX1_CONFIG)
     flux.init_synthetic(ours, torch.Generator().manual_seed(seed))
     ours.eval().requires_grad_(False)
-    cfg = flux.FLUX1_CONFIG
+    cfg = FLUX1_CONFIG
     n = len(cfg["block_out_channels"])
     ref = AutoencoderKL(
         latent_channels=16,

@@ -45,13 +45,14 @@ from diffusers import AutoencoderKLLTXVideo
 
 from app import video
 from app.decoders import ltx
+from app.decoders.ltx.model import DEFAULTS
 from app.decoders.ops import cosine
 from app.runtime.modes import Mode as ServePath
 from app.runtime.modes import build as make_fast
 from bench import common
 
 CONFIG_091 = {
-    **ltx.DEFAULTS,
+    **DEFAULTS,
     "decoder_block_out_channels": [256, 512, 1024],
     "decoder_layers_per_block": [5, 6, 7, 8],
     "decoder_spatio_temporal_scaling": [True, True, True],

@@ -35,6 +35,7 @@ from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import (
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from app.decoders import minimax_h3 as mm
+from app.decoders.minimax_h3.model import DEFAULTS, rope_tables
 from app.decoders.ops import cosine
 from bench import common
 
@@ -44,7 +45,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def build(blocks: int, seed: int = 0) -> mm.Decoder:
     """The released config cut to ``blocks`` blocks, with trained-like seeded weights."""
-    decoder = mm.Decoder({**mm.DEFAULTS, "decoder_num_layers": blocks})
+    decoder = mm.Decoder({**DEFAULTS, "decoder_num_layers": blocks})
     mm.init_synthetic(decoder, torch.Generator().manual_seed(seed))
     return decoder.eval().requires_grad_(False)
 
@@ -88,9 +89,9 @@ def count_block_flops(cfg: dict) -> int:
         x = torch.empty(1, tokens(cfg), block.norm1.normalized_shape[0])
     rope_dim = int(cfg["decoder_attention_head_dim"] * cfg["decoder_rope_dim_ratio"])
     extra = cfg["decoder_num_register_tokens"] + 1
-    rope = mm._rope_tables(GRID, extra, rope_dim, cfg["decoder_rope_theta"], meta)
+    rope = rope_tables(GRID, extra, rope_dim, cfg["decoder_rope_theta"], meta)
     with sdpa_kernel(SDPBackend.MATH):
-        return common.count_flops(lambda: block(x, rope, mm._no_phase))
+        return common.count_flops(lambda: block(x, rope))
 
 
 def tokens(cfg: dict) -> int:
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> None:
         def fn() -> torch.Tensor:
             h = x
             for block in blocks:
-                h = block(h, theirs_rope) if peer else block(h, ours_rope, mm._no_phase)
+                h = block(h, theirs_rope) if peer else block(h, ours_rope)
             return h
 
         return fn

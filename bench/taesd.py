@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from app.decoders import flux, taesd
+from app.decoders.flux.model import FLUX1_CONFIG
 from bench import common
 
 SHARED_WEIGHTS = Path(__file__).resolve().parents[2] / "shared/weights/taef2/taef2_decoder.pth"
 FLUX2_CONFIG = {
-    **flux.FLUX1_CONFIG,
+    **FLUX1_CONFIG,
     "latent_channels": 32,
     "use_post_quant_conv": True,
     "latent_bn": True,

@@ -33,13 +33,11 @@ from typing import Any
 
 import requests
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.decoders import FAMILIES
 from app.decoders.base import VAEDecoder
 from app.store import write_model
-from app.timing import NULL_TIMER, PhaseTimer
 from tests.live import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +75,7 @@ class Decoder(VAEDecoder):
         super().__init__(config)
         self.is_video = bool(config.get("video", False))  # shadows the class default
         self.proj = nn.Conv2d(int(config["latent_channels"]), 3, 1)
+        self.up = nn.Upsample(scale_factor=self.spatial_scale, mode="nearest")
 
     @property
     def latent_channels(self) -> int:
@@ -86,24 +85,23 @@ class Decoder(VAEDecoder):
     def spatial_scale(self) -> int:
         return int(self.config["scale"])
 
-    def decode(self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any) -> Tensor:
-        if z.ndim == 5:
-            return torch.cat(list(self.iter_decode(z, timer, **options)), dim=2)
-        return self._frame(z, 0, _commands(z), timer, options)
+    def stages(self) -> list[tuple[str, nn.Module]]:
+        return [("conv_in", self.proj), ("up_0", self.up)]
 
-    def iter_decode(
-        self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any
-    ) -> Iterator[Tensor]:
+    def decode(self, z: Tensor, **options: Any) -> Tensor:
+        if z.ndim == 5:
+            return torch.cat(list(self.iter_decode(z, **options)), dim=2)
+        return self._frame(z, 0, _commands(z), options)
+
+    def iter_decode(self, z: Tensor, **options: Any) -> Iterator[Tensor]:
         if z.ndim == 4:
-            yield self.decode(z, timer, **options)
+            yield self.decode(z, **options)
             return
         rows = _commands(z)
         for t in range(z.shape[2]):
-            yield self._frame(z[:, :, t], t, rows, timer, options).unsqueeze(2)
+            yield self._frame(z[:, :, t], t, rows, options).unsqueeze(2)
 
-    def _frame(
-        self, z: Tensor, t: int, rows: list[list[float]], timer: PhaseTimer, options: dict
-    ) -> Tensor:
+    def _frame(self, z: Tensor, t: int, rows: list[list[float]], options: dict) -> Tensor:
         fast = self.proj.weight.dtype != torch.float32
         path = "cpu" if not fast else "tiled" if options.get("tiled") else "fast"
         for command, arg, _ in rows:
@@ -111,10 +109,7 @@ class Decoder(VAEDecoder):
         with _lock:
             DECODED.extend((tag, path, t) for _, _, tag in rows)
             BATCHES.append(len(rows))
-        with timer.phase("conv_in"):
-            x = self.proj(z.to(self.proj.weight.dtype))
-        with timer.phase("up_0"):
-            return F.interpolate(x, scale_factor=self.spatial_scale, mode="nearest").clamp(-1, 1)
+        return self.up(self.proj(z.to(self.proj.weight.dtype))).clamp(-1, 1)
 
 
 def _commands(z: Tensor) -> list[list[float]]:

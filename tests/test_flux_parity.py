@@ -6,8 +6,9 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLFlux2
 
-from app.decoders import flux
-from app.decoders.ops import cosine
+from app.decoders import flux, ops
+from app.decoders.flux.model import ResnetBlock
+from tests.helpers import cosine
 
 SMALL = dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8)
 
@@ -83,8 +84,8 @@ def test_flux2_denormalize_matches_pipeline():
     )
     patched = torch.randn(1, 128, 4, 6)
     std = torch.sqrt(ref.bn.running_var.view(1, -1, 1, 1) + ref.config.batch_norm_eps)
-    expected = flux.ops.unpatchify2x2(patched * std + ref.bn.running_mean.view(1, -1, 1, 1))
-    got = ours.denormalize(flux.ops.unpatchify2x2(patched))
+    expected = ops.unpatchify2x2(patched * std + ref.bn.running_mean.view(1, -1, 1, 1))
+    got = ours.denormalize(ops.unpatchify2x2(patched))
     assert torch.allclose(got, expected, atol=1e-6)
 
 
@@ -98,25 +99,61 @@ def _small_flux1() -> flux.Decoder:
     return ours
 
 
-def test_upsample_rewrite_is_exact():
+def test_optimized_modules_are_exact():
+    """``optimize`` swaps in the 4-phase upsample and in-place SiLU; below band_min_pixels."""
     ours = _small_flux1()
     z = torch.randn(1, 16, 7, 9)
     with torch.no_grad():
         plain = ours.decode(z)
-        ours.set_upsample_rewrite(True)
+        ours.optimize()
         fast = ours.decode(z)
+    assert not any(isinstance(m, flux.model.Upsample) for m in ours.modules())
     assert (fast - plain).abs().max().item() < 1e-4
     assert cosine(fast, plain) >= 0.999999
 
 
-def test_banded_path_is_exact():
+@pytest.mark.parametrize("optimized", [False, True])
+def test_banded_path_is_exact(optimized):
     """Row bands with gathered GroupNorm statistics equal the whole-tensor decode."""
     ours = _small_flux1()
     z = torch.randn(2, 16, 13, 11)
     with torch.no_grad():
         plain = ours.decode(z)
-        ours.set_banded(4096)  # a few rows per band: many band edges
-        ours.band_min_pixels = 0
-        banded = ours.to(memory_format=torch.channels_last).decode(z)
+        assert torch.equal(ours.decode(z, tiled=True), ours.decode(z, tiled=True))
+        if optimized:
+            ours.optimize()
+        ours.band_bytes = 4096  # a few rows per band: many band edges
+        banded = ours.to(memory_format=torch.channels_last).decode(z, tiled=True)
+        unbanded = ours.decode(z, tiled=False)
     assert cosine(banded, plain) >= 0.999999
     assert (banded - plain).abs().max().item() < 1e-4
+    assert not torch.equal(banded, unbanded)  # a different summation order: really banded
+
+
+def test_default_policy_bands_large_outputs_of_optimized_copies(monkeypatch):
+    """tiled=None: bands only once optimized and only from band_min_pixels on."""
+    ours, calls = _small_flux1(), []
+    real = flux.fast._resnet
+    monkeypatch.setattr(flux.fast, "_resnet", lambda *a: calls.append(1) or real(*a))
+    z = torch.randn(1, 16, 4, 4)
+    pixels = (4 * ours.spatial_scale) ** 2
+    with torch.no_grad():
+        ours.band_min_pixels = 0
+        ours.decode(z)
+        assert not calls  # exact: never banded by default
+        ours.optimize()
+        ours.band_min_pixels = pixels + 1
+        ours.decode(z)
+        assert not calls  # below the threshold
+        ours.band_min_pixels = pixels
+        ours.decode(z)
+        assert calls
+
+
+def test_forward_has_no_fast_path_branches():
+    """The exact ResnetBlock is the plain architecture (the fast path lives in fast.py)."""
+    block = ResnetBlock(8, 16, 4)
+    x = torch.randn(1, 8, 5, 5)
+    h = block.conv1(torch.nn.functional.silu(block.norm1(x)))
+    h = block.conv2(torch.nn.functional.silu(block.norm2(h)))
+    torch.testing.assert_close(block(x), block.conv_shortcut(x) + h, rtol=0, atol=0)

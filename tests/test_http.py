@@ -20,8 +20,8 @@ from diffusers.utils.remote_utils import remote_decode
 from PIL import Image
 from safetensors.torch import save as save_safetensors
 
-from app.decoders.ops import cosine
 from app.store import load_model
+from tests.helpers import cosine, latent
 from tests.live import TINY_FLUX, live_server
 
 
@@ -48,10 +48,6 @@ def oracle(flux_store):
     return ref
 
 
-def _latent(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _expected_uint8(oracle, z: torch.Tensor) -> np.ndarray:
     with torch.no_grad():
         x = oracle.decode(z).sample
@@ -61,7 +57,7 @@ def _expected_uint8(oracle, z: torch.Tensor) -> np.ndarray:
 
 
 def test_remote_decode_png_matches_diffusers(flux_server, oracle):
-    z = _latent(1, 16, 8, 12)
+    z = latent(1, 16, 8, 12)
     image = remote_decode(
         f"{flux_server}/decode/flux-tiny",
         z,
@@ -77,7 +73,7 @@ def test_remote_decode_png_matches_diffusers(flux_server, oracle):
 def test_remote_decode_jpg(flux_server):
     image = remote_decode(
         f"{flux_server}/decode/flux-tiny",
-        _latent(1, 16, 8, 8),
+        latent(1, 16, 8, 8),
         do_scaling=False,
         output_type="pil",
         image_format="jpg",
@@ -86,7 +82,7 @@ def test_remote_decode_jpg(flux_server):
 
 
 def test_remote_decode_pt_is_the_decoder_output(flux_server, oracle):
-    z = _latent(2, 16, 6, 10)
+    z = latent(2, 16, 6, 10)
     got = remote_decode(
         f"{flux_server}/decode/flux-tiny", z, do_scaling=False, output_type="pt", return_type="pt"
     )
@@ -97,7 +93,7 @@ def test_remote_decode_pt_is_the_decoder_output(flux_server, oracle):
 
 
 def test_remote_decode_pt_partial_postprocess(flux_server, oracle):
-    z = _latent(1, 16, 8, 8)
+    z = latent(1, 16, 8, 8)
     got = remote_decode(
         f"{flux_server}/decode/flux-tiny",
         z,
@@ -111,7 +107,7 @@ def test_remote_decode_pt_partial_postprocess(flux_server, oracle):
 
 
 def test_remote_decode_with_processor_gets_unit_tensor(flux_server, oracle):
-    z = _latent(1, 16, 8, 8)
+    z = latent(1, 16, 8, 8)
     images = remote_decode(
         f"{flux_server}/decode/flux-tiny",
         z,
@@ -125,7 +121,7 @@ def test_remote_decode_with_processor_gets_unit_tensor(flux_server, oracle):
 
 
 def test_remote_decode_packed_latents_with_factors(flux_server, oracle):
-    z = _latent(1, 16, 8, 12)
+    z = latent(1, 16, 8, 12)
     packed = z.view(1, 16, 4, 2, 6, 2).permute(0, 2, 4, 1, 3, 5).reshape(1, 24, 64)
     got = remote_decode(
         f"{flux_server}/decode/flux-tiny",
@@ -144,7 +140,7 @@ def test_remote_decode_packed_latents_with_factors(flux_server, oracle):
 
 def test_do_scaling_applies_the_models_own_factors(flux_server, oracle):
     """remote_decode's default (do_scaling=True, no factors) sends do_scaling=True."""
-    z = _latent(1, 16, 8, 8)
+    z = latent(1, 16, 8, 8)
     got = remote_decode(f"{flux_server}/decode/flux-tiny", z, output_type="pt", return_type="pt")
     with torch.no_grad():
         expected = oracle.decode(z / 0.3611 + 0.1159).sample
@@ -154,7 +150,7 @@ def test_do_scaling_applies_the_models_own_factors(flux_server, oracle):
 def test_flux2_do_scaling_uses_batchnorm_stats(flux_server, flux_store):
     _, ours = load_model(flux_store, "flux2-tiny")
     assert ours.bn.running_mean.abs().sum() > 0  # seeded stats, not the identity
-    z = _latent(1, 32, 8, 8)
+    z = latent(1, 32, 8, 8)
     got = remote_decode(f"{flux_server}/decode/flux2-tiny", z, output_type="pt", return_type="pt")
     with torch.no_grad():
         expected = ours.decode(ours.denormalize(z))
@@ -167,7 +163,7 @@ def _post(url: str, body: bytes, params=None, headers=None) -> requests.Response
 
 
 def test_webp_via_accept_and_other_bodies(flux_server):
-    z = _latent(1, 16, 8, 8)
+    z = latent(1, 16, 8, 8)
     raw = _post(
         f"{flux_server}/decode",
         z.numpy().tobytes(),
@@ -200,7 +196,7 @@ def test_webp_via_accept_and_other_bodies(flux_server):
 def test_every_response_has_timing_and_request_id(flux_server):
     ok = _post(
         f"{flux_server}/decode/flux-tiny",
-        _latent(1, 16, 4, 4).numpy().tobytes(),
+        latent(1, 16, 4, 4).numpy().tobytes(),
         {"shape": [1, 16, 4, 4]},
         {"X-Request-Id": "sampler-42"},
     )

@@ -11,9 +11,11 @@ from diffusers.loaders.single_file_utils import convert_ltx_vae_checkpoint_to_di
 from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
 from safetensors.torch import save_file
 
+from app import timing
 from app.decoders import ltx
-from app.decoders.ops import cosine
+from app.decoders.ltx.model import decoder_spec
 from app.timing import PhaseTimer
+from tests.helpers import latent, report
 
 # a tiny encoder: diffusers always builds one, the tests never use it
 ENCODER = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1))
@@ -89,23 +91,15 @@ def reference_decode(ref: AutoencoderKLLTXVideo, z: torch.Tensor) -> torch.Tenso
         return ref.decode(z, temb).sample
 
 
-def latent(frames: int, h: int = 2, w: int = 3, batch: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(frames * 100 + h * 10 + w)
-    return torch.randn((batch, LATENT_CHANNELS, frames, h, w), generator=g)
-
-
-def report(name: str, got: torch.Tensor, expected: torch.Tensor) -> float:
-    cos = cosine(got, expected)
-    err = (got - expected).abs().max().item()
-    print(f"{name}: cos={cos:.8f} max_abs={err:.2e}")
-    return cos
+def clip(frames: int, h: int = 2, w: int = 3, batch: int = 1) -> torch.Tensor:
+    return latent(batch, LATENT_CHANNELS, frames, h, w, seed=frames * 100 + h * 10 + w)
 
 
 @pytest.mark.parametrize("frames", [1, 2, 3])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_matches_diffusers(variant, frames):
     ref, ours = make_pair(variant)
-    z = latent(frames, batch=2 if frames == 2 else 1)
+    z = clip(frames, batch=2 if frames == 2 else 1)
     expected = reference_decode(ref, z)
     # 3 latent frames run as 3 temporal chunks with state carried across them
     got = ours.decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=1 if frames == 3 else 2)
@@ -118,7 +112,7 @@ def test_decode_matches_diffusers(variant, frames):
 def test_temporal_chunks_are_exact(variant):
     """One latent frame at a time, carried state across chunks == one pass."""
     _, ours = make_pair(variant)
-    z = latent(4, 2, 2)
+    z = clip(4, 2, 2)
     whole = ours.decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=0)
     pieces = list(ours.iter_decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=1))
     streamed = torch.cat(pieces, 2)
@@ -126,11 +120,15 @@ def test_temporal_chunks_are_exact(variant):
     assert (streamed - whole).abs().max() < 1e-5
     # bounded: no piece is larger than one latent frame's worth at the last stage (+1 flush)
     assert max(p.shape[2] for p in pieces) <= ours.temporal_scale + 1
+    # the plain forward is the same one pass over the same stages
+    cond = ours.conditioning(z, {"timestep": TIMESTEP, "seed": SEED})
+    with torch.no_grad():
+        torch.testing.assert_close(ours(z, cond), whole, rtol=0, atol=0)
 
 
 def test_noise_seed():
     _, ours = make_pair("v091")
-    z = latent(2)
+    z = clip(2)
     a = ours.decode(z, timestep=TIMESTEP, seed=1)
     b = ours.decode(z, timestep=TIMESTEP, seed=1, chunk_frames=1)
     c = ours.decode(z, timestep=TIMESTEP, seed=2)
@@ -142,14 +140,14 @@ def test_noise_seed():
 def test_no_noise_draws_nothing():
     _, ours = make_pair("v095")
     state = torch.get_rng_state()
-    a = ours.decode(latent(2), seed=1)
+    a = ours.decode(clip(2), seed=1)
     assert torch.equal(state, torch.get_rng_state())
-    assert torch.equal(a, ours.decode(latent(2), seed=2))
+    assert torch.equal(a, ours.decode(clip(2), seed=2))
 
 
 def test_timestep_default_and_effect():
     ref, ours = make_pair("v095")
-    z = latent(1)
+    z = clip(1)
     assert torch.equal(ours.decode(z), ours.decode(z, timestep=0.0))  # LTXPipeline's default
     assert (ours.decode(z, timestep=0.5) - ours.decode(z)).abs().max() > 1e-3
     with torch.no_grad():
@@ -163,9 +161,9 @@ def test_tiled_is_blended_within_bound():
     ref, ours = make_pair("v091")
     ltx.init_synthetic(ours, torch.Generator().manual_seed(0))
     ref.decoder.load_state_dict(ours.state_dict())
-    z = latent(2, 4, 6)
+    z = clip(2, 4, 6)
     whole = ours.decode(z, timestep=TIMESTEP, seed=SEED)
-    tiled = ours.decode(z, timestep=TIMESTEP, seed=SEED, tile=True, tile_size=4, tile_overlap=2)
+    tiled = ours.decode(z, timestep=TIMESTEP, seed=SEED, tiled=True, tile_size=4, tile_overlap=2)
     ref_whole = reference_decode(ref, z)
     ref.enable_tiling(128, 128, None, 64, 64)  # the same geometry: 4-cell tiles, 2-cell stride
     ref_tiled = reference_decode(ref, z)
@@ -182,9 +180,24 @@ def test_geometry_and_timer():
     assert (ours.spatial_scale, ours.temporal_scale, ours.frames_out(3)) == (32, 8, 17)
     probe = ours.probe_latent(torch.Generator().manual_seed(0))
     assert probe.shape == (1, LATENT_CHANNELS, 2, 4, 4)
+    timing.instrument(ours.stages())
     timer = PhaseTimer()
-    ours.decode(probe, timer, seed=0)
-    assert {"conv_in", "mid", "up_0", "up_1", "up_2", "conv_out"} <= set(timer.phases())
+    with timer.active():
+        ours.decode(probe, seed=0)
+    assert list(timer.phases()) == [
+        "condition",
+        "conv_in",
+        "mid",
+        "up_0",
+        "up_1",
+        "up_2",
+        "conv_out",
+    ]
+    with timer.active():
+        ours.decode(probe, seed=0, tiled=True, tile_size=2, tile_overlap=1)
+    assert "blend" in timer.phases()
+    untiled = ours.decode(probe, seed=0)  # the old option name "tile" is no longer read
+    assert torch.equal(ours.decode(probe, seed=0, tile=True, tile_size=2), untiled)
     image = ours.decode(probe[:, :, 0], seed=0)  # an image latent: one frame, 4-D out
     assert torch.equal(image, ours.decode(probe[:, :, :1], seed=0)[:, :, 0])
     with pytest.raises(ValueError, match="conv_in"):
@@ -219,7 +232,7 @@ def test_convert_diffusers_folder(variant, tmp_path):
     assert ltx.convert(tmp_path / "pipe" / "vae")[0] == config
     ours = ltx.Decoder(json.loads(json.dumps(config))).eval()  # the config survives JSON
     ours.load_state_dict(state)
-    z = latent(2)
+    z = clip(2)
     got = ours.decode(z, timestep=TIMESTEP, seed=SEED)
     assert report(f"{variant} converted", got, reference_decode(ref, z)) >= 0.99999
     expected = LTXPipeline._denormalize_latents(
@@ -286,11 +299,11 @@ def test_convert_lightricks_single_file(variant, tmp_path):
     folder_config, folder_state = ltx.convert(_saved(ref, tmp_path / "vae"))
     assert state.keys() == folder_state.keys()
     assert all(torch.equal(state[k], folder_state[k]) for k in state)
-    assert ltx.decoder_spec(config) == ltx.decoder_spec(folder_config)
+    assert decoder_spec(config) == decoder_spec(folder_config)
     assert torch.allclose(torch.tensor(config["latents_mean"]), ref.latents_mean)
     if variant != "residual-p2":  # without embedded config: "residual iff factor 2" holds
         save_file(tensors, str(path))
-        assert ltx.decoder_spec(ltx.convert(path)[0]) == ltx.decoder_spec(folder_config)
+        assert decoder_spec(ltx.convert(path)[0]) == decoder_spec(folder_config)
 
 
 def _saved(ref: AutoencoderKLLTXVideo, folder):

@@ -25,6 +25,7 @@ import re
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import imageio_ffmpeg
@@ -40,9 +41,13 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from app import video
-from app.decoders.ops import cosine
+from tests import helpers
+from tests.helpers import latent, psnr
 from tests.live import live_server
 from tests.test_ltx import ENCODER, LATENT_CHANNELS, V091_BLOCKS
+
+# pt answers against the oracle: same shape, float32 on the wire, cos >= 0.99999
+check = partial(helpers.check, dtype=torch.float32)
 
 ROOT = Path(__file__).resolve().parents[1]
 C = LATENT_CHANNELS
@@ -158,10 +163,6 @@ def diffusers_frames(decoded: torch.Tensor) -> np.ndarray:
     return np.stack([np.asarray(f) for f in frames])
 
 
-def latent(*shape: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
 def post(url: str, model: str, z: torch.Tensor, accept: str | None = None, **params):
     query = {"shape": json.dumps(list(z.shape)), "dtype": "float32"}
     query.update({k: str(v) for k, v in params.items()})
@@ -202,19 +203,6 @@ def probe(data: bytes, tmp_path: Path) -> str:
     return subprocess.run(
         [exe, "-hide_banner", "-i", str(path)], capture_output=True, text=True
     ).stderr
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float(10 * np.log10(255**2 / mse)) if mse else math.inf
-
-
-def check(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
-    cos = cosine(got, expected)
-    err = (got - expected).abs().max().item()
-    print(f"{name}: shape={list(got.shape)} cos={cos:.10f} max_abs={err:.2e}")
-    assert got.shape == expected.shape and got.dtype == torch.float32
-    assert cos >= 0.99999
 
 
 def phases(r: requests.Response) -> set[str]:

@@ -12,15 +12,15 @@ from diffusers import AutoencoderKLMiniMaxH3
 from safetensors.torch import save_file
 from torch import nn
 
+from app import timing
 from app.decoders import minimax_h3 as mm
+from app.decoders.minimax_h3 import schedule
+from app.decoders.minimax_h3.convert import config_from_diffusers
+from app.decoders.minimax_h3.model import ImageDecoder
 from app.timing import PhaseTimer
+from tests.helpers import check, cosine, latent
 
 C = 4  # latent channels of the tiny test configs
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return float(a @ b / (a.norm() * b.norm()))
 
 
 class SeedImageRope(nn.Module):
@@ -75,25 +75,13 @@ def reference(image: bool = False, layers: int = 2, seed: int = 0) -> Autoencode
 
 
 def ours_from(vae: AutoencoderKLMiniMaxH3, image: bool = False) -> mm.Decoder:
-    config = mm.config_from_diffusers(dict(vae.config))
+    config = config_from_diffusers(dict(vae.config))
     if image:
         config["decoder_rope_axes"] = 2
     dec = mm.Decoder(config).eval()
     keep = ("decoder.", "post_quant_conv.")
     dec.load_state_dict({k: v for k, v in vae.state_dict().items() if k.startswith(keep)})
     return dec
-
-
-def latent(shape: tuple[int, ...], seed: int = 1) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
-def check(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
-    cos = cosine(got, expected)
-    err = (got - expected).abs().max().item()
-    print(f"{name}: shape={list(got.shape)} cos={cos:.12f} (1-cos {1 - cos:.1e}) max_abs={err:.2e}")
-    assert got.shape == expected.shape
-    assert cos >= 0.99999
 
 
 VIDEO_CASES = {
@@ -115,7 +103,7 @@ def video_pair() -> tuple[AutoencoderKLMiniMaxH3, mm.Decoder]:
 @pytest.mark.parametrize("case", VIDEO_CASES)
 def test_video_matches_diffusers(case, video_pair):
     vae, ours = video_pair
-    z = latent(VIDEO_CASES[case])
+    z = latent(*VIDEO_CASES[case], seed=1)
     with torch.no_grad():
         expected = vae.decode(z).sample
     got = ours.decode(z)
@@ -128,7 +116,7 @@ def test_short_video_is_one_clip_minus_pre_pad(frames, video_pair):
     """diffusers cannot decode < 3 latent frames (it concatenates no chunks); we
     decode them as one clip and cut the pre-pad, its own `_decode_clip` path."""
     vae, ours = video_pair
-    z = latent((1, C, frames, 18, 3))
+    z = latent(1, C, frames, 18, 3, seed=1)
     with pytest.raises(ValueError):
         vae.decode(z)
     with torch.no_grad():
@@ -142,14 +130,14 @@ def test_image_variant_matches_tiled_clip():
     """MiniMax-H3-Image: patch_t 1, (h, w) RoPE; one frame through the spatial tiles."""
     vae = reference(image=True, seed=3)
     ours = ours_from(vae, image=True)
-    assert isinstance(ours, mm.ImageDecoder) and not ours.is_video
+    assert isinstance(ours, ImageDecoder) and not ours.is_video
     for shape in [(1, C, 18, 20), (2, C, 5, 7)]:
-        z = latent(shape)
+        z = latent(*shape, seed=1)
         with torch.no_grad():
             expected = vae._decode_clip(z.unsqueeze(2)).squeeze(2)
         got = ours.decode(z)
         check(f"image-{shape[2]}x{shape[3]}-b{shape[0]}", got, expected)
-    stack = latent((1, C, 2, 5, 7))
+    stack = latent(1, C, 2, 5, 7, seed=1)
     frames = ours.decode(stack)
     assert frames.shape == (1, 3, 2, 80, 112)
     torch.testing.assert_close(frames[:, :, 1], ours.decode(stack[:, :, 1]), rtol=0, atol=0)
@@ -157,19 +145,24 @@ def test_image_variant_matches_tiled_clip():
 
 def test_iter_decode_streams_what_decode_returns(video_pair):
     _, ours = video_pair
+    timing.instrument(ours.stages())
     timer = PhaseTimer()
-    z = latent((1, C, 12, 3, 4))  # no padding: 2 clips -> 17, 17, then the 5-frame tail
-    chunks = list(ours.iter_decode(z, timer, max_batch_tokens=1))
+    z = latent(1, C, 12, 3, 4, seed=1)  # no padding: 2 clips -> 17, 17, then the 5-frame tail
+    with timer.active():
+        chunks = list(ours.iter_decode(z, max_batch_tokens=1))
     assert [c.shape[2] for c in chunks] == [17, 17, 5]
     torch.testing.assert_close(torch.cat(chunks, dim=2), ours.decode(z), rtol=0, atol=0)
     assert {"embed", "blocks", "head", "unpatchify", "chunk_blend"} <= set(timer.phases())
-    z = latent((1, C, 13, 3, 4))  # 4 pad tokens: the trim reaches into the last chunk
+    z = latent(1, C, 13, 3, 4, seed=1)  # 4 pad tokens: the trim reaches into the last chunk
     chunks = list(ours.iter_decode(z))
     assert sum(c.shape[2] for c in chunks) == ours.frames_out(13) == 43
     torch.testing.assert_close(torch.cat(chunks, dim=2), ours.decode(z), rtol=0, atol=0)
-    fine = PhaseTimer()
-    ours.decode(latent((1, C, 1, 18, 3)), fine, fine_phases=True)
-    assert {"norm", "qkv", "attention", "out", "ffn", "tile_blend"} <= set(fine.phases())
+    fine, profiled = PhaseTimer(), copy.deepcopy(ours)
+    timing.instrument(profiled.fine_stages())
+    with fine.active():
+        profiled.decode(latent(1, C, 1, 18, 3, seed=1))
+    assert {"norm", "qkv", "attention", "out", "ffn", "blocks", "tile_blend"} <= set(fine.phases())
+    assert fine.phases()["blocks"] >= fine.phases()["ffn"]  # the fine phases nest inside
 
 
 def original_file(config: dict, state: dict, path, config_in_tensor: bool) -> None:
@@ -248,22 +241,22 @@ def test_both_layouts_decode_identically(config_in_tensor, tmp_path):
     a, b = mm.Decoder(config).eval(), mm.Decoder(config2).eval()
     a.load_state_dict(state)
     b.load_state_dict(state2)
-    z = latent((1, C, 3, 4, 5))
+    z = latent(1, C, 3, 4, 5, seed=1)
     torch.testing.assert_close(a.decode(z), b.decode(z), rtol=0, atol=0)
     with torch.no_grad():
         check("diffusers-folder", a.decode(z), vae.decode(z).sample)
 
 
 def test_schedules_reproduce_the_seed():
-    assert mm.split_tiles(288, 16) == ([0, 32], [256, 256], [224])
-    assert mm.split_tiles(512, 16) == ([0, 128, 256], [256, 256, 256], [128, 128])
-    assert mm.split_tiles(256, 16)[0] == [0]
-    assert mm.split_tiles(128, 16)[1] == [128]
-    plan = mm.clip_plan(7, 4)
+    assert schedule.split_tiles(288, 16) == ([0, 32], [256, 256], [224])
+    assert schedule.split_tiles(512, 16) == ([0, 128, 256], [256, 256, 256], [128, 128])
+    assert schedule.split_tiles(256, 16)[0] == [0]
+    assert schedule.split_tiles(128, 16)[1] == [128]
+    plan = schedule.clip_plan(7, 4)
     assert (plan.chunk_frames, plan.pre_pad, plan.overlap) == (20, 3, 5)
     assert plan.clips == ((0, 7),)  # 5-token chunk + 2-token overlap
     # 17n + 5 frames <-> 5n + 2 latent frames; padded lengths are trimmed
-    assert [mm.clip_plan(t, 4).frames for t in (3, 7, 8, 12, 17)] == [9, 22, 26, 39, 56]
+    assert [schedule.clip_plan(t, 4).frames for t in (3, 7, 8, 12, 17)] == [9, 22, 26, 39, 56]
 
 
 def reference_bf16(vae: AutoencoderKLMiniMaxH3) -> AutoencoderKLMiniMaxH3:
@@ -285,7 +278,7 @@ def test_bf16_matches_the_reference_mixed_precision(video_pair):
     assert low.decoder.transformer_blocks[0].scale1.dtype == torch.float32
     assert low.decoder.norm_out.weight.dtype == torch.float32
     assert low.decoder.proj_out.weight.dtype == torch.bfloat16
-    z = latent((1, C, 3, 17, 5))
+    z = latent(1, C, 3, 17, 5, seed=1)
     with torch.no_grad():
         expected = reference_bf16(vae).decode(z).sample
     got = low.decode(z)
@@ -296,7 +289,7 @@ def test_bf16_matches_the_reference_mixed_precision(video_pair):
 def test_denormalize_matches_the_pipeline():
     cfg = mm.SYNTHETIC["minimax-h3-tiny"]
     dec = mm.Decoder(cfg)
-    z = latent((1, 24, 2, 3, 3))
+    z = latent(1, 24, 2, 3, 3, seed=1)
     mean = torch.tensor(cfg["latents_mean"]).view(1, -1, 1, 1, 1)
     std = torch.tensor(cfg["latents_std"]).view(1, -1, 1, 1, 1)
     torch.testing.assert_close(dec.denormalize(z), z * std + mean, rtol=0, atol=0)

@@ -14,6 +14,7 @@ import json
 import math
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import imageio_ffmpeg
@@ -29,9 +30,16 @@ from PIL import Image
 from app import video
 from app.decoders import minimax_h3 as mm
 from app.decoders.base import IMAGENET_MEAN, IMAGENET_STD
+from app.decoders.minimax_h3.convert import config_from_diffusers
+from app.decoders.minimax_h3.schedule import clip_plan, split_tiles
 from app.store import load_model, write_model
+from tests import helpers
+from tests.helpers import latent, psnr
 from tests.live import bake, live_server
-from tests.test_minimax_h3 import C, SeedImageRope, cosine, original_file, reference
+from tests.test_minimax_h3 import C, SeedImageRope, original_file, reference
+
+# pt answers against the oracle: same shape, float32 on the wire, cos >= 0.99999
+check = partial(helpers.check, dtype=torch.float32)
 
 # remote_decode's default do_scaling=True (used on purpose below) warns of its deprecation
 pytestmark = pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning")
@@ -65,7 +73,7 @@ def world(tmp_path_factory):
     # a head that paints content a video codec can hold (see smooth_head)
     fused = reference(seed=12)
     smooth_head(fused, torch.Generator().manual_seed(13))
-    config = mm.config_from_diffusers(dict(fused.config))
+    config = config_from_diffusers(dict(fused.config))
     state = {k: v for k, v in fused.state_dict().items() if k.startswith(KEEP)}
     (tmp / "orig").mkdir()
     original_file(config, state, tmp / "orig" / "vae.safetensors", config_in_tensor=True)
@@ -139,10 +147,6 @@ def image_oracle(store: Path) -> AutoencoderKLMiniMaxH3:
     return vae
 
 
-def latent(*shape: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
 def denormalized(vae: AutoencoderKLMiniMaxH3, z: torch.Tensor) -> torch.Tensor:
     shape = (1, -1) + (1,) * (z.ndim - 2)
     mean = torch.tensor(vae.config.latents_mean).view(shape)
@@ -176,19 +180,6 @@ def read_mp4(data: bytes, tmp_path: Path, name: str = "out.mp4") -> tuple[dict, 
 def reencoded(frames: np.ndarray, fps: float, tmp_path: Path) -> np.ndarray:
     """``frames`` through the service's own MP4 encoder here, read back."""
     return read_mp4(b"".join(video.encode_mp4(iter(frames), fps)), tmp_path, "local.mp4")[1]
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float(10 * np.log10(255**2 / mse)) if mse else math.inf  # inf: identical
-
-
-def check(name: str, got: torch.Tensor, expected: torch.Tensor) -> None:
-    cos = cosine(got, expected)
-    err = (got - expected).abs().max().item()
-    print(f"{name}: shape={list(got.shape)} cos={cos:.12f} max_abs={err:.2e}")
-    assert got.shape == expected.shape and got.dtype == torch.float32
-    assert cos >= 0.99999
 
 
 def test_served_models(world):
@@ -284,8 +275,8 @@ def test_multi_tile_multi_chunk_video(world, tmp_path):
     url, oracles = world
     vae = oracles["mm-fused"]
     z = latent(1, C, 8, 18, 20, seed=4)
-    assert len(mm.split_tiles(288, 16)[0]) == 2 and len(mm.split_tiles(320, 16)[0]) == 2
-    assert len(mm.clip_plan(8, 4).clips) == 2
+    assert len(split_tiles(288, 16)[0]) == 2 and len(split_tiles(320, 16)[0]) == 2
+    assert len(clip_plan(8, 4).clips) == 2
     with torch.no_grad():
         expected = vae.decode(z).sample
     endpoint = f"{url}/decode/mm-fused"

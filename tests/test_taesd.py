@@ -13,8 +13,10 @@ from diffusers import AutoencoderTiny
 from PIL import Image
 from safetensors.torch import save_file
 
+from app import timing
 from app.decoders import taesd
 from app.timing import PhaseTimer
+from tests.helpers import cosine, psnr
 from tests.taef2_encoder import load_encoder
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -26,11 +28,6 @@ def shared(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path}: ../shared is absent (a user's clone has none)")
     return path
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return float(a @ b / (a.norm() * b.norm()))
 
 
 # --- parity with diffusers (plain variant, random weights) -----------------
@@ -101,9 +98,10 @@ def test_decode_matches_diffusers(case: str, tmp_path: Path) -> None:
 
 def test_phases_summary_and_errors() -> None:
     dec = taesd.Decoder({"variant": "taef2"}).eval()
+    timing.instrument(dec.stages())
     timer = PhaseTimer()
-    with torch.no_grad():
-        out = dec.decode(dec.probe_latent(torch.Generator().manual_seed(0)), timer)
+    with torch.no_grad(), timer.active():
+        out = dec.decode(dec.probe_latent(torch.Generator().manual_seed(0)))
     assert out.shape == (1, 3, 128, 128)
     assert list(timer.phases()) == ["clamp", "conv_in", "mid", "up_0", "up_1", "up_2", "conv_out"]
     assert dec.summary()["preview"] is True and dec.summary()["output_space"] == "unit"
@@ -154,11 +152,6 @@ def test_taef2_detected_from_weights_not_name(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def encoder() -> torch.nn.Module:
     return load_encoder(shared(*TAEF2, "taef2_encoder.pth"))
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float(10 * np.log10(255.0**2 / mse))
 
 
 @pytest.mark.parametrize("photo", ["astronaut.png", "chelsea.png", "coffee.png"])

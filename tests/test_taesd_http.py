@@ -23,6 +23,7 @@ from diffusers.utils.remote_utils import remote_decode
 from PIL import Image
 
 from tests.conftest import ROOT, shared_path
+from tests.helpers import psnr
 from tests.live import live_server
 from tests.taef2_encoder import load_encoder
 
@@ -33,11 +34,6 @@ LOSSY_MAX_DROP_DB = 3.0  # JPEG/WebP at the service's default quality (90)
 # that the response is the padded latent's size, 456x304.
 LOSSY_PHOTOS = {"chelsea.png"}
 PHASES = ["parse", "clamp", "conv_in", "mid", "up_0", "up_1", "up_2", "conv_out", "encode"]
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float(10 * np.log10(255.0**2 / mse))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Decoder families, loaded by name. Each module implements ``base.VAEDecoder``."""
+"""Decoder families, loaded by name: one package each (docs/decoders.md), behind ``base.VAEDecoder``."""
 
 from __future__ import annotations
 

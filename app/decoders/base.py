@@ -1,6 +1,6 @@
 """The one interface every decoder family implements.
 
-A family module (``app/decoders/<family>.py``) provides:
+A family package (``app/decoders/<family>/``, see docs/decoders.md) exports:
 
 * ``Decoder``: a ``VAEDecoder`` subclass built from a plain JSON config dict.
   Its ``state_dict()`` names are the canonical names of the model store.
@@ -21,8 +21,6 @@ from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
-
-from app.timing import NULL_TIMER, PhaseTimer
 
 # What ``decode`` returns, before any post-processing:
 #   "signed"   RGB in [-1, 1] (flux, ltx)
@@ -98,7 +96,7 @@ class VAEDecoder(nn.Module, ABC):
         return z
 
     @abstractmethod
-    def decode(self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any) -> Tensor:
+    def decode(self, z: Tensor, **options: Any) -> Tensor:
         """Latent ``[B,C,H,W]`` (or ``[B,C,T,H,W]``) -> RGB in ``output_space``.
 
         Exactly what the reference implementation's ``.decode`` returns.
@@ -106,21 +104,23 @@ class VAEDecoder(nn.Module, ABC):
         example ``timestep`` and ``seed`` for LTX); unknown ones are ignored.
         """
 
-    def iter_decode(
-        self, z: Tensor, timer: PhaseTimer = NULL_TIMER, **options: Any
-    ) -> Iterator[Tensor]:
+    def iter_decode(self, z: Tensor, **options: Any) -> Iterator[Tensor]:
         """``decode`` in frame chunks ``[B,3,t,H,W]``, in order (video decoders stream)."""
-        yield self.decode(z, timer, **options)
+        yield self.decode(z, **options)
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         """The named stage modules (``conv_in``, ``mid``, ``up_0``...) whose calls are timed;
-        ``app.timing.instrument`` hooks them, so model code carries no timer."""
+        ``app.timing.instrument`` hooks them, so model code carries no timer. A stage made of
+        several consecutive modules lists each under its name (their times add up). The names
+        are a metrics contract."""
         return []
 
     def optimize(self) -> None:
         """Turn on this family's fast-path rewrites (on the served copy, behind the gate)."""
 
     def forward(self, z: Tensor) -> Tensor:
+        """The exact architecture, one pass (families override it; ``decode`` adds the
+        dtype/device handling, options and tiling policy)."""
         return self.decode(z)
 
     def to_unit(self, x: Tensor) -> Tensor:

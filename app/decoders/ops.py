@@ -12,11 +12,6 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 
-def group_norm_silu(norm: nn.GroupNorm, x: Tensor) -> Tensor:
-    """GroupNorm then SiLU, the SiLU in place on the fresh GroupNorm output (one buffer)."""
-    return F.silu(norm(x), inplace=True)
-
-
 def to_model(z: Tensor, weight: Tensor) -> Tensor:
     """Move a latent to the weights' device, dtype and memory format."""
     z = z.to(device=weight.device, dtype=weight.dtype)

@@ -1,0 +1,262 @@
+"""Where LTX-Video weights come from: a diffusers ``vae/`` folder (or a pipeline folder), a
+Lightricks single-file checkpoint, or seeded synthetic weights (``ltx-tiny``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from app.decoders import ops
+from app.decoders.ltx.model import DEFAULT_FPS, DEFAULTS, Decoder
+
+SYNTHETIC: dict[str, dict[str, Any]] = {
+    # The 0.9.1 topology in miniature: timestep conditioning, noise, residual 2x upsamplers.
+    "ltx-tiny": {
+        **DEFAULTS,
+        "decoder_block_out_channels": [16, 32, 64],
+        "decoder_layers_per_block": [1, 1, 1, 1],
+        "decoder_spatio_temporal_scaling": [True, True, True],
+        "decoder_inject_noise": [True, True, False, False],
+        "upsample_residual": [True, True, True],
+        "upsample_factor": [2, 2, 2],
+        "timestep_conditioning": True,
+        "decode_timestep": 0.05,
+        "fps": DEFAULT_FPS,
+    },
+}
+
+
+# --- synthetic weights --------------------------------------------------------------------
+def init_synthetic(decoder: Decoder, generator: torch.Generator) -> None:
+    """Deterministic trained-like weights: fan-in scaled convs, each residual branch's last
+    conv scaled down (x0.1), small noise scales and modulation tables."""
+    with torch.no_grad():
+        for name, p in decoder.named_parameters():
+            p.copy_(_synthetic_value(name, p, generator))
+
+
+def _synthetic_value(name: str, p: Tensor, gen: torch.Generator) -> Tensor:
+    randn = torch.randn(p.shape, generator=gen)
+    if name.endswith("timestep_scale_multiplier"):
+        return torch.tensor(1000.0)
+    if "norm3.weight" in name:
+        return torch.ones(p.shape)
+    if name.endswith("bias"):
+        return randn * 0.01
+    if "per_channel_scale" in name:
+        return randn * 0.02
+    if name.endswith("scale_shift_table"):
+        return randn * 0.05
+    fan_in = p[0].numel() if p.ndim > 1 else 1
+    value = randn / math.sqrt(fan_in)
+    if name.endswith("conv2.conv.weight"):
+        value *= 0.1
+    return value
+
+
+# --- checkpoint conversion ----------------------------------------------------------------
+def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A diffusers ``vae/`` folder (or a pipeline folder holding one), or a Lightricks
+    single-file checkpoint -> (config, decoder-only state dict in canonical names)."""
+    source = Path(source)
+    if source.is_dir():
+        folder = source / "vae" if (source / "vae" / "config.json").exists() else source
+        raw = json.loads((folder / "config.json").read_text())
+        tensors = ops.read_safetensors_folder(folder)
+    else:
+        raw, tensors = _read_single_file(source)
+    if any(".res_blocks." in k or "per_channel_statistics" in k for k in tensors):
+        config, state = _from_lightricks(tensors, raw)
+    else:
+        config, state = _from_diffusers(tensors, raw)
+    _check_state(config, state)
+    return config, state
+
+
+def _read_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Tensors of a safetensors file (VAE ones only) and its embedded JSON config, if any."""
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        meta = json.loads((f.metadata() or {}).get("config", "{}") or "{}")
+        keys = [k for k in f.keys() if k.startswith(("vae.", "decoder.", "per_channel"))]
+        tensors = {k: f.get_tensor(k) for k in keys}
+    if not tensors:
+        raise ValueError(f"{path}: no LTX VAE tensors (expected vae.decoder.* or decoder.*)")
+    return meta.get("vae", meta), tensors
+
+
+def _from_diffusers(tensors: dict[str, Tensor], raw: dict[str, Any]) -> tuple[dict, dict]:
+    config = {k: raw.get(k, v) for k, v in DEFAULTS.items()}
+    state = {k[len("decoder.") :]: v for k, v in tensors.items() if k.startswith("decoder.")}
+    _add_stats(config, tensors.get("latents_mean"), tensors.get("latents_std"))
+    config["fps"] = DEFAULT_FPS
+    return _jsonable(config), state
+
+
+def _add_stats(config: dict[str, Any], mean: Tensor | None, std: Tensor | None) -> None:
+    if mean is not None and std is not None:
+        config["latents_mean"] = mean.float().flatten().tolist()
+        config["latents_std"] = std.float().flatten().tolist()
+
+
+def _jsonable(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+
+
+# Lightricks' decoder is a flat list ``up_blocks.N`` of three kinds (in decode order):
+#   res_x (``res_blocks.M``): resnets; res_x_y (``conv1`` directly): a channel-changing
+#   resnet; compress_all (``conv.conv``): an upsampler. The first res_x is diffusers'
+#   mid_block; every later res_x closes one diffusers up block [conv_in][upsampler] resnets.
+_ORIG_BLOCK = re.compile(r"^up_blocks\.(\d+)\.(.+)$")
+
+
+def _from_lightricks(tensors: dict[str, Tensor], raw: dict[str, Any]) -> tuple[dict, dict]:
+    prefix = "vae." if any(k.startswith("vae.") for k in tensors) else ""
+    dec = {k[len(prefix) + 8 :]: v for k, v in tensors.items() if k.startswith(prefix + "decoder.")}
+    stats = {k.rsplit(".", 1)[-1]: v for k, v in tensors.items() if "per_channel_statistics" in k}
+    kinds = _original_blocks(dec)
+    targets = _block_targets(kinds)
+    state: dict[str, Tensor] = {}
+    for key, value in dec.items():
+        state[_rename_original(key, targets)] = value
+    config = _infer_config(state, raw)
+    _add_stats(config, stats.get("mean-of-means"), stats.get("std-of-means"))
+    return _jsonable(config), state
+
+
+def _original_blocks(dec: dict[str, Tensor]) -> list[str]:
+    """The kind of each original ``up_blocks.N``, in order."""
+    kinds: dict[int, set[str]] = {}
+    for key in dec:
+        if m := _ORIG_BLOCK.match(key):
+            rest = m.group(2)
+            if rest.startswith(("res_blocks.", "time_embedder.")):
+                kind = "res_x"
+            else:
+                kind = "compress" if rest.startswith("conv.") else "res_x_y"
+            kinds.setdefault(int(m.group(1)), set()).add(kind)
+    if sorted(kinds) != list(range(len(kinds))) or any(len(k) != 1 for k in kinds.values()):
+        raise ValueError("Lightricks decoder: up_blocks.N are not a list of known block kinds")
+    return [kinds[i].pop() for i in range(len(kinds))]
+
+
+def _block_targets(kinds: list[str]) -> list[str]:
+    """Original block index -> diffusers module path."""
+    if not kinds or kinds[0] != "res_x":
+        raise ValueError("Lightricks decoder: expected up_blocks.0 to be the mid res_x block")
+    targets, block = ["mid_block"], 0
+    names = {"res_x_y": "conv_in", "compress": "upsamplers.0"}
+    for kind in kinds[1:]:
+        if kind == "res_x":
+            targets.append(f"up_blocks.{block}")
+            block += 1
+        else:
+            targets.append(f"up_blocks.{block}.{names[kind]}")
+    return targets
+
+
+_ORIG_TOP = {"last_time_embedder.": "time_embedder.", "last_scale_shift_table": "scale_shift_table"}
+
+
+def _rename_original(key: str, targets: list[str]) -> str:
+    m = _ORIG_BLOCK.match(key)
+    if m:
+        key = f"{targets[int(m.group(1))]}.{m.group(2)}"
+    for old, new in _ORIG_TOP.items():
+        if key.startswith(old):
+            key = new + key[len(old) :]
+    key = key.replace("res_blocks.", "resnets.").replace("norm3.norm.", "norm3.")
+    return re.sub(r"conv_shortcut\.(weight|bias)$", r"conv_shortcut.conv.\1", key)
+
+
+def _infer_config(state: dict[str, Tensor], raw: dict[str, Any]) -> dict:
+    """Decoder config from weight shapes; what weights cannot tell (upsampler residual,
+    causality) from the checkpoint's embedded config, else as every release has it."""
+    resnets = _count(state, r"^mid_block\.resnets\.(\d+)\.")
+    blocks = _infer_blocks(state)
+    uppers = [b for b in blocks if b["upsample"]]
+    for b, residual in zip(uppers, _compress_residual(raw, len(uppers)), strict=True):
+        b["residual"] = residual if residual is not None else b["factor"] > 1
+    out = state["conv_out.conv.weight"].shape[0]
+    patch = int(raw.get("patch_size") or round(math.sqrt(out / 3)))
+    rev = {
+        "decoder_block_out_channels": [b["cout"] * b["factor"] for b in blocks],
+        "decoder_layers_per_block": [resnets] + [b["layers"] for b in blocks],
+        "decoder_spatio_temporal_scaling": [b["upsample"] for b in blocks],
+        "decoder_inject_noise": [_has_noise(state, "mid_block")] + [b["noise"] for b in blocks],
+        "upsample_residual": [b.get("residual", False) for b in blocks],
+        "upsample_factor": [b["factor"] for b in blocks],
+    }
+    config = {k: list(reversed(v)) for k, v in rev.items()}
+    return {
+        **DEFAULTS,
+        **config,
+        "latent_channels": state["conv_in.conv.weight"].shape[1],
+        "out_channels": out // patch**2,
+        "timestep_conditioning": "scale_shift_table" in state,
+        "patch_size": patch,
+        "decoder_causal": bool(raw.get("causal_decoder", False)),
+        "scaling_factor": float(raw.get("scaling_factor", 1.0)),
+        "fps": DEFAULT_FPS,
+    }
+
+
+def _infer_blocks(state: dict[str, Tensor]) -> list[dict[str, Any]]:
+    blocks, i = [], 0
+    while any(k.startswith(f"up_blocks.{i}.") for k in state):
+        p = f"up_blocks.{i}"
+        cout = state[f"{p}.resnets.0.conv1.conv.weight"].shape[0]
+        up = state.get(f"{p}.upsamplers.0.conv.conv.weight")
+        factor = up.shape[1] * 8 // up.shape[0] if up is not None else 1
+        blocks.append(
+            {
+                "cout": cout,
+                "layers": _count(state, rf"^{p}\.resnets\.(\d+)\."),
+                "upsample": up is not None,
+                "factor": factor,
+                "noise": _has_noise(state, p),
+            }
+        )
+        i += 1
+    return blocks
+
+
+def _compress_residual(raw: dict[str, Any], n: int) -> list[bool | None]:
+    """``residual`` of each compress block in decode order, from Lightricks'
+    ``decoder_blocks`` config (listed encoder-side first); None where unknown."""
+    entries = []
+    for block in reversed(raw.get("decoder_blocks") or raw.get("blocks") or []):
+        params = block[1] if len(block) > 1 and isinstance(block[1], dict) else {}
+        if str(block[0]).startswith("compress"):
+            entries.append(params.get("residual"))
+    return entries if len(entries) == n else [None] * n
+
+
+def _count(state: dict[str, Tensor], pattern: str) -> int:
+    rx = re.compile(pattern)
+    found = {int(m.group(1)) for k in state if (m := rx.match(k))}
+    return max(found) + 1 if found else 0
+
+
+def _has_noise(state: dict[str, Tensor], prefix: str) -> bool:
+    return any(k.startswith(prefix + ".") and "per_channel_scale1" in k for k in state)
+
+
+def _check_state(config: dict[str, Any], state: dict[str, Tensor]) -> None:
+    """The converted names and shapes must be exactly the decoder's (checked on meta)."""
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in Decoder(config).state_dict().items()}
+    got = {k: v.shape for k, v in state.items()}
+    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    bad = [k for k in expected.keys() & got.keys() if expected[k] != got[k]]
+    if missing or extra or bad:
+        raise ValueError(
+            "LTX checkpoint does not fit the inferred decoder config: "
+            f"missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}"
+        )
