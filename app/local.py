@@ -8,6 +8,7 @@ its encoders. Module level imports no torch, so the command line fails fast on b
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -125,7 +126,15 @@ def _decode(
     out_dtype = torch.uint8 if want is Want.UINT8 else wire_dtype
     if out_dtype == torch.bfloat16:
         out_dtype = torch.float32  # .npy has no bfloat16
-    decoded = runtime.runner.decode(served, z, scaling, options, want, timer, out_dtype)
+    if served.reference.is_video and z.shape[0] == 1:  # chunk by chunk, with progress
+        chunks = runtime.runner.stream(served, z, scaling, options, timer, want, out_dtype)
+        total = served.reference.frames_out(z.shape[2])
+        decoded = torch.cat(
+            list(_counted(chunks, total, on_frames, axis=2 if want is Want.RAW else 0)),
+            dim=2 if want is Want.RAW else 0,
+        )
+    else:
+        decoded = runtime.runner.decode(served, z, scaling, options, want, timer, out_dtype)
     with timer.phase("encode"):
         if output == "tensor":
             with _atomic(out) as f:
@@ -151,9 +160,15 @@ def _load(store: Path, name: str, timer: Any) -> tuple[Any, Any]:
 
     exact = {} if os.environ.get("VAE_DTYPE") else {"dtype": "float32"}
     settings = Settings(models_dir=store, models=name, **exact)
-    with timer.phase("load"):
-        runtime = Runtime(settings, Metrics())
-        runtime.load_all()
+    quiet = logging.getLogger("app.runtime")  # the service's startup lines are noise here
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        with timer.phase("load"):
+            runtime = Runtime(settings, Metrics())
+            runtime.load_all()
+    finally:
+        quiet.setLevel(level)
     if name not in runtime.models:
         raise LocalDecodeError(runtime.errors.get(name) or f"model {name!r} did not load")
     return runtime, runtime.models[name]
@@ -183,10 +198,12 @@ def _check_video(served: Any, z: Any) -> None:
         raise LocalDecodeError(f"an mp4 holds one video; this latent is a batch of {z.shape[0]}")
 
 
-def _counted(chunks: Iterator[Any], total: int, on_frames: FrameProgress | None) -> Iterator[Any]:
+def _counted(
+    chunks: Iterator[Any], total: int, on_frames: FrameProgress | None, axis: int = 0
+) -> Iterator[Any]:
     done = 0
     for chunk in chunks:
-        done += chunk.shape[0]
+        done += chunk.shape[axis]
         if on_frames:
             on_frames(done, total)
         yield chunk

@@ -478,7 +478,9 @@ async def _decode(
             503, "the service is shutting down", "retry: another instance"
         ) from None
     except DeviceLost as exc:
-        raise ProtocolError(503, f"this instance lost its device: {exc}", "another instance") from None
+        raise ProtocolError(
+            503, f"this instance lost its device: {exc}", "another instance"
+        ) from None
     if kind == "mp4":
         # errors before the first frame are still JSON
         await _outcome(request, job, job.channel.first)

@@ -21,8 +21,8 @@ from diffusers import AutoencoderKL
 from app.decoders import flux
 from app.decoders.flux.model import FLUX1_CONFIG
 from app.decoders.ops import cosine
+from app.runtime import modes
 from app.runtime.device import cpu_has_fast_bf16
-from app.runtime.modes import Mode, build
 from bench import common
 
 
@@ -60,7 +60,7 @@ def variants(ours: flux.Decoder, ref: AutoencoderKL, device: torch.device) -> di
 
     def service(dtype: torch.dtype, banded: bool):
         def make():
-            model = build(ours, device, Mode(dtype))  # what the gate would serve
+            model = modes.build(ours, device, modes.Mode(dtype))  # what the gate would serve
             model.band_min_pixels = 0 if banded else 1 << 62  # force either way
             return lambda z: model.decode(z.to(device))
 

@@ -47,8 +47,7 @@ from app import video
 from app.decoders import ltx
 from app.decoders.ltx.model import DEFAULTS
 from app.decoders.ops import cosine
-from app.runtime.modes import Mode as ServePath
-from app.runtime.modes import build as make_fast
+from app.runtime import modes
 from bench import common
 
 CONFIG_091 = {
@@ -121,14 +120,14 @@ def variants(chunk: int) -> dict[str, Callable[[torch.device], Decode]]:
 
     def service(dtype: torch.dtype, chunk_frames: int) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            model = make_fast(build_ours(), device, ServePath(dtype))  # what the gate serves
+            model = modes.build(build_ours(), device, modes.Mode(dtype))  # what the gate serves
             opts = {"timestep": TIMESTEP, "seed": SEED, "chunk_frames": chunk_frames}
             return lambda z: model.decode(z.to(device), **opts)
 
         return make
 
     def streamed(device: torch.device) -> Decode:
-        model = make_fast(build_ours(), device, ServePath(torch.float32))
+        model = modes.build(build_ours(), device, modes.Mode(torch.float32))
         opts = {"timestep": TIMESTEP, "seed": SEED, "chunk_frames": chunk}
 
         def decode(z: torch.Tensor) -> None:

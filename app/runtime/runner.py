@@ -177,19 +177,30 @@ class Runner:
         scaling: Scaling,
         options: dict[str, Any],
         timer: PhaseTimer,
+        want: Want = Want.UINT8,
+        out_dtype: torch.dtype = torch.uint8,
     ) -> Iterator[Tensor]:
-        """uint8 frames ``[t,H,W,3]`` of the first video in ``latent``, chunk by chunk as they
-        are decoded. On out-of-memory the decode resumes on the next rung of the ladder,
-        skipping the frames already sent (decoding is deterministic)."""
+        """The first video in ``latent``, chunk by chunk as it is decoded: uint8 frames
+        ``[t,H,W,3]`` (``Want.UINT8``) or the decoder's own ``[1,3,t,H,W]`` (``Want.RAW``).
+        On out-of-memory the decode resumes on the next rung of the ladder, skipping the
+        frames already sent (decoding is deterministic)."""
+        axis = 0 if want is Want.UINT8 else 2  # where a chunk's frames are
         attempt, sent = self._first_attempt(model, latent[:1]), 0
         while True:
             skip = sent
             try:
-                for frames in self._stream_on(attempt, latent[:1], scaling, options, timer):
-                    frames, skip = frames[skip:], max(0, skip - frames.shape[0])
-                    if frames.shape[0]:
-                        sent += frames.shape[0]
-                        yield frames
+                chunks = self._stream_on(
+                    attempt, latent[:1], scaling, options, timer, want, out_dtype
+                )
+                for chunk in chunks:
+                    frames = chunk.shape[axis]
+                    chunk, skip = (
+                        chunk.narrow(axis, min(skip, frames), frames - min(skip, frames)),
+                        max(0, skip - frames),
+                    )
+                    if chunk.shape[axis]:
+                        sent += chunk.shape[axis]
+                        yield chunk
                 return
             except Exception as exc:
                 if not devices.is_oom(exc):
@@ -199,7 +210,7 @@ class Runner:
             attempt = self._next_attempt(model, attempt)
             self._note_retry(model, failed, attempt.label)
 
-    def _stream_on(self, attempt, latent, scaling, options, timer) -> Iterator[Tensor]:
+    def _stream_on(self, attempt, latent, scaling, options, timer, want, out_dtype):
         decoder = attempt.decoder
         with torch.inference_mode():
             with timer.active():
@@ -210,9 +221,9 @@ class Runner:
                     chunk = next(chunks, None)
                     if chunk is None:
                         return
-                    frames = self._postprocess(decoder, chunk, Want.UINT8, torch.uint8, True)
+                    out = self._postprocess(decoder, chunk, want, out_dtype, True)
                 timer.resolve()
-                yield frames
+                yield out
 
     # --- steps --------------------------------------------------------------------------
     @staticmethod
