@@ -1,4 +1,4 @@
-"""Decoded pixels -> response bytes: PNG/JPEG/WebP via Pillow, tensors as raw bytes."""
+"""Decoded pixels -> response bytes: PNG, JPEG/WebP via Pillow, tensors as raw bytes."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from app.png import encode_png
+
 PIL_FORMAT = {"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}
 WIRE_NAME = {
     torch.float32: "float32",
@@ -20,10 +22,13 @@ WIRE_NAME = {
 
 
 def encode_image(frame: Tensor, fmt: str, quality: int = 90) -> bytes:
-    """One uint8 image [H,W,3] -> encoded bytes."""
+    """One uint8 image [H,W,3] -> encoded bytes: PNG on all cores (app/png.py), JPEG and
+    WebP with Pillow."""
+    pixels = frame.contiguous().numpy()
+    if fmt == "png":
+        return encode_png(pixels)
     buf = io.BytesIO()
-    options = {"quality": quality} if fmt in ("jpg", "webp") else {"compress_level": 1}
-    Image.fromarray(frame.contiguous().numpy(), "RGB").save(buf, format=PIL_FORMAT[fmt], **options)
+    Image.fromarray(pixels, "RGB").save(buf, format=PIL_FORMAT[fmt], quality=quality)
     return buf.getvalue()
 
 

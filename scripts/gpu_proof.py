@@ -158,10 +158,17 @@ class Proof:
         repeats = 1 if self.device.type == "cpu" else 10
         dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         variants = {
-            "service": lambda: _service(ours, self.device, dtype),
+            "service": lambda: _service(ours, self.device, modes.Mode(dtype)),
             "diffusers NCHW": lambda: _diffusers(peer, self.device, dtype, False),
             "diffusers channels_last": lambda: _diffusers(peer, self.device, dtype, True),
         }
+        if self.device.type == "cuda":  # what the served mode's choices are worth here
+            variants["service exact modules"] = lambda: _service(
+                ours, self.device, modes.Mode(dtype, optimized=False)
+            )
+            variants["service channels_last"] = lambda: _service(
+                ours, self.device, modes.Mode(dtype), channels_last=True
+            )
         for variant, make in variants.items():
             decode = make()
             for size, batch in cases:
@@ -303,7 +310,7 @@ class Proof:
             for size, batch in [(2048, 4), (2048, 1)]:
                 self.report["ladder"].append(self._decode_row(served, runner, metrics, size, batch))
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            torch.cuda.set_per_process_memory_fraction(1.0, 0)
             served.fast.working_values_per_pixel = type(served.fast).working_values_per_pixel
 
     def l4(self) -> None:
@@ -318,7 +325,7 @@ class Proof:
             for size, batch in [(1024, 1), (1024, 4), (1024, 8), (2048, 1), (2048, 2)]:
                 self.report["l4"].append(self._decode_row(served, runner, metrics, size, batch))
         finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            torch.cuda.set_per_process_memory_fraction(1.0, 0)
 
     def _served_flux(self, memory_cap: int):
         from app.runtime.registry import ServedModel
@@ -381,6 +388,34 @@ class Proof:
             print(f"  graphs {row}", flush=True)
             del graph, static_out
 
+    # --- torch.compile --------------------------------------------------------------------
+    def compile(self) -> None:
+        """torch.compile of the served FLUX decode (inductor fuses GroupNorm + SiLU): its
+        compile time, speed and whether it still matches the eager output."""
+        if self.device.type != "cuda":
+            self.note("compile: evaluated on a CUDA device only")
+            return
+        ours, _ = flux_bench.build()
+        fast = modes.build(ours, self.device, modes.Mode(torch.bfloat16))
+        compiled = torch.compile(lambda z: fast.decode(z, tiled=False))
+        for size in (512, 1024):
+            z = torch.randn(1, 16, size // 8, size // 8, device=self.device)
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                out = compiled(z)
+                devices.synchronize(self.device)
+                compile_s = time.perf_counter() - t0
+                eager = fast.decode(z, tiled=False)
+                cos = float(
+                    torch.nn.functional.cosine_similarity(
+                        out.double().flatten(), eager.double().flatten(), 0
+                    )
+                )
+                ms = self._time(compiled, z, 10)["ms"]
+            row = {"size": size, "compiled_ms": ms, "first_call_s": compile_s, "cos_vs_eager": cos}
+            self.report.setdefault("compile", []).append(row)
+            print(f"  compile {row}", flush=True)
+
     # --- encoder --------------------------------------------------------------------------
     def encoder(self) -> None:
         from app import video
@@ -392,8 +427,10 @@ class Proof:
 # --- helpers ------------------------------------------------------------------------------
 
 
-def _service(ours, device: torch.device, dtype: torch.dtype):
-    fast = modes.build(ours, device, modes.Mode(dtype))
+def _service(ours, device: torch.device, mode: modes.Mode, channels_last: bool = False):
+    fast = modes.build(ours, device, mode)
+    if channels_last:
+        fast = fast.to(memory_format=torch.channels_last)
     options = {"tiled": False} if device.type == "cuda" else {}
     return lambda z: fast.decode(z, **options)
 
@@ -577,6 +614,17 @@ def markdown(r: dict) -> str:
         lines.append(
             f"| {g['size']} | {g['eager_ms']:.2f} | {g['graph_ms']:.2f} | {g['identical']} |"
         )
+    lines += [
+        "",
+        "## torch.compile (FLUX.1 bf16, batch 1)",
+        "",
+        "| size | compiled ms | first call s | cosine vs eager |",
+        "|---|---|---|---|",
+    ]
+    for c in r.get("compile", []):
+        lines.append(
+            f"| {c['size']} | {c['compiled_ms']:.2f} | {c['first_call_s']:.1f} | {c['cos_vs_eager']:.7f} |"
+        )
     lines += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
     if r["errors"]:
         lines += ["", "## Errors", ""] + [f"```\n{e}\n```" for e in r["errors"]]
@@ -594,7 +642,7 @@ def main() -> None:
     devices.prepare(device)
     proof = Proof(device, args.quick, args.out)
     print(devices.describe(device), flush=True)
-    sections = ["encoder", "gate", "flux", "e2e", "graphs", "ladder", "l4"]
+    sections = ["encoder", "gate", "flux", "e2e", "graphs", "ladder", "l4", "compile"]
     for name in args.only or sections:
         proof.section(name, getattr(proof, name))
     proof.write()

@@ -42,6 +42,9 @@ class VAEDecoder(nn.Module, ABC):
     # True when ``decode`` takes ``tiled``: None = the family's own default, True = decode in
     # tiles/bands (less memory, the out-of-memory retry), False = never tile.
     supports_tiling: ClassVar[bool] = False
+    # Modules whose parameters stay float32 on a bf16/fp16 copy (name prefixes), where the
+    # architecture computes them in float32 (as diffusers' ``_keep_in_fp32_modules``).
+    keep_float32: ClassVar[tuple[str, ...]] = ()
     # Device memory one decode takes beyond the weights, in values per output pixel (of each
     # frame held at once), times the dtype's size: the runner's budget check. Families set
     # their measured value (docs/BENCHMARKS.md); the default is generous.

@@ -40,8 +40,9 @@ def prepare(device: torch.device, memory_cap_bytes: int = 0) -> None:
         return
     torch.backends.cudnn.benchmark = True
     if memory_cap_bytes:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_bytes / total), device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_bytes / total), index)
 
 
 def describe(device: torch.device) -> str:

@@ -43,22 +43,27 @@ def candidate_modes(setting: str, device: torch.device) -> list[Mode]:
 
 
 def build(reference: VAEDecoder, device: torch.device, mode: Mode) -> VAEDecoder:
-    """The resident copy for ``mode`` on ``device``. Parameters take the mode's dtype; buffers
-    (latent statistics) stay float32, so de-normalization keeps its precision."""
+    """The resident copy for ``mode`` on ``device``. Parameters take the mode's dtype, except
+    the decoder's ``keep_float32`` modules; buffers (latent statistics) stay float32, so
+    de-normalization keeps its precision."""
     if device.type == "cpu" and mode == EXACT:
         return reference  # the exact path is served as it is
     with torch.device("meta"):
         fast = type(reference)(reference.config)
-    params = {name for name, _ in reference.named_parameters()}
+    cast = {
+        name
+        for name, tensor in reference.named_parameters()
+        if tensor.is_floating_point() and not name.startswith(reference.keep_float32)
+    }
     state = {}
     for name, tensor in reference.state_dict(keep_vars=False).items():
-        dtype = mode.dtype if name in params and tensor.is_floating_point() else tensor.dtype
+        dtype = mode.dtype if name in cast else tensor.dtype
         state[name] = tensor.to(device=device, dtype=dtype)
     fast.load_state_dict(state, strict=True, assign=True)
     for name, buffer in reference.named_buffers():  # non-persistent ones are not in state_dict
         if name not in state:
             _set_buffer(fast, name, buffer.to(device))
-    if fast.channels_last:
+    if fast.channels_last and device.type == "cpu":  # on a GPU, cuDNN runs NCHW faster
         fast = fast.to(memory_format=torch.channels_last)
     if mode.optimized:
         fast.optimize()

@@ -258,6 +258,7 @@ class Decoder(VAEDecoder):
     family: ClassVar[str] = "minimax-h3"
     output_space = "imagenet"
     is_video = True
+    keep_float32 = ("decoder.norm_out.",)  # the residual stream and its final norm are float32
 
     def __new__(cls, config: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Decoder:
         if cls is Decoder and config is not None and _is_image(config):
