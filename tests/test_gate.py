@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import requests
 import torch
 
 from app.config import Settings
+from app.decoders import family_module
 from app.metrics import Metrics
-from app.runtime import Runtime, Scaling, Want
+from app.runtime import Runtime, Scaling, Want, gate, modes
 from app.store import load_model
 from app.timing import PhaseTimer
 from tests.live import live_server
@@ -122,3 +124,25 @@ def test_fast_copy_keeps_latent_statistics_in_float32(tmp_path):
     assert model.fast.bn.running_var.dtype == torch.float32
     z = torch.randn(1, 32, 8, 8)
     assert torch.equal(model.fast.denormalize(z), model.reference.denormalize(z))
+
+
+@pytest.mark.parametrize(
+    "family,name",
+    [
+        ("ltx", "ltx-tiny"),
+        ("minimax-h3", "minimax-h3-tiny"),
+        ("minimax-h3", "minimax-h3-image-tiny"),
+    ],
+)
+def test_every_family_builds_a_bf16_copy_that_passes_every_gate_check(family, name):
+    """The bf16 copy is what a GPU serves: each family must build and gate it (the first GPU
+    run found MiniMax-H3's float32 final norm fed bf16 weights)."""
+    module = family_module(family)
+    reference = module.Decoder(module.SYNTHETIC[name])
+    module.init_synthetic(reference, torch.Generator().manual_seed(0))
+    reference.eval().requires_grad_(False)
+    fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.bfloat16))
+    report = gate.run(fast, gate.Probes(reference))
+    expected = {"batch1", "batch2", "denormalized"} | ({"tiled"} if fast.supports_tiling else set())
+    assert {c.name for c in report.checks} == expected
+    assert report.passed(0.9999) and report.cosine < 1.0, report.describe()
