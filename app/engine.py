@@ -24,8 +24,8 @@ from app import fastpath
 from app.config import Settings
 from app.decoders.base import VAEDecoder
 from app.metrics import Metrics
-from app.protocol import Limits, ModelGeometry
-from app.store import Manifest, list_models, load_model
+from app.protocol import Limits, ModelGeometry, peak_channels
+from app.store import Manifest, list_models, load_model, public_source
 from app.timing import PhaseTimer
 
 log = logging.getLogger("app.engine")
@@ -81,7 +81,12 @@ class ServedModel:
     def geometry(self) -> ModelGeometry:
         d = self.reference
         return ModelGeometry(
-            d.latent_channels, d.spatial_scale, d.temporal_scale, d.is_video, d.frames_out
+            d.latent_channels,
+            d.spatial_scale,
+            d.temporal_scale,
+            d.is_video,
+            d.frames_out,
+            peak_channels(d.config),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -90,7 +95,7 @@ class ServedModel:
             "name": self.name,
             "family": self.manifest.family,
             "config": self.reference.summary(),
-            "source": self.manifest.source,
+            "source": public_source(self.manifest.source),
             "store_dtype": self.manifest.dtype,
             "device": self.serving_device,
             "dtype": str(serving_dtype).removeprefix("torch."),

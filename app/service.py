@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import queue
 import re
 import threading
@@ -45,15 +44,15 @@ from app.logging_json import log_request
 from app.metrics import Metrics
 from app.protocol import (
     IMAGE_MIME,
-    RAW_TYPES,
-    WIRE_DTYPES,
     DecodeParams,
     Limits,
     ProtocolError,
+    check_content_encoding,
+    check_declared,
+    check_finite_output,
     check_limits,
     check_scaling,
     choose_output,
-    media_type,
     parse_body,
     parse_params,
     parse_timeout,
@@ -64,7 +63,7 @@ from app.timing import PhaseTimer
 from app.video import encode_mp4, iter_frames
 
 log = logging.getLogger("app.service")
-REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: "$" lets a "\n" through
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
 # Safe by default for an API that browsers should never render or frame (OWASP REST sheet).
 SECURITY_HEADERS = {
@@ -177,7 +176,7 @@ class Envelope:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         incoming = _header(scope, b"x-request-id")
-        rid = incoming if REQUEST_ID_RE.match(incoming) else uuid.uuid4().hex
+        rid = incoming if REQUEST_ID_RE.fullmatch(incoming) else uuid.uuid4().hex
         started = time.perf_counter()
         state = scope.setdefault("state", {})
         state["request_id"], state["started"] = rid, started
@@ -305,15 +304,6 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
-def _check_declared_shape(params: DecodeParams, content_type: str | None, limit: int) -> None:
-    """A raw body's size follows from shape and dtype: refuse a too-large one unread."""
-    if params.shape is None or (media_type(content_type) or "tensor/binary") not in RAW_TYPES:
-        return
-    size = math.prod(params.shape) * WIRE_DTYPES[params.dtype][1]
-    if size > limit:
-        raise ProtocolError(413, f"shape {params.shape} needs {size} bytes; the limit is {limit}")
-
-
 def _deadline(request: Request, params: DecodeParams, settings: Settings) -> float:
     """perf_counter time by which the decode must start: the caller's timeout, capped."""
     header = request.headers.get("x-request-timeout")
@@ -332,7 +322,7 @@ def _resolve_model(
         raise ProtocolError(
             400, "no model named", "POST /decode/{model}, ?model=, or set VAE_DEFAULT_MODEL"
         )
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise ProtocolError(404, "invalid model name", "letters, digits, '.', '_', '-'")
     if name in engine.models:
         return engine.models[name]
@@ -455,10 +445,11 @@ async def _decode(
         model = _resolve_model(name, params, engine, settings)
         limits = model.limits(settings.limits())
         content_type = request.headers.get("content-type")
-        _check_declared_shape(params, content_type, limits.max_body_bytes)
-        body = await _read_body(request, limits.max_body_bytes, settings.body_timeout_s)
+        check_content_encoding(request.headers.get("content-encoding"))
         geo = model.geometry
         kind, fmt = choose_output(params, request.headers.get("accept"), geo.is_video)
+        check_declared(params, content_type, geo, limits, kind)  # before reading the body
+        body = await _read_body(request, limits.max_body_bytes, settings.body_timeout_s)
         latent = _validated(body, content_type, params, model, limits, kind, request)
     wire_dtype = latent.dtype
     job = Job(model, latent.float(), _scaling(params), _options(params), timer)
@@ -502,7 +493,7 @@ def _validated(
     latent = parse_body(content_type, body, params)
     request.state.shape = list(latent.shape)
     latent = to_layout(latent, params, geo)
-    check_limits(latent.float(), geo, limits)
+    check_limits(latent, geo, limits, kind)
     check_scaling(latent, params)
     images = latent.shape[0] * (geo.frames_out(latent.shape[2]) if latent.ndim == 5 else 1)
     if kind == "image" and images != 1:
@@ -677,6 +668,7 @@ def _encode(
 ) -> Response:
     """Decoder output -> response body, per the chosen output kind."""
     decoder = model.reference
+    check_finite_output(decoded)
     with timer.phase("encode"):
         if kind == "tensor":
             data, headers = media.tensor_bytes(decoded.to(wire_dtype))
