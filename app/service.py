@@ -145,7 +145,9 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
             engine.load_all()
         yield
         restore()
-        engine.stop()
+        # After a drain that ran out, the worker may still be decoding work already answered
+        # 503: do not hold the exit for it.
+        engine.stop(timeout=0.5 if drain.expired.is_set() else 10.0)
 
     app = FastAPI(
         title="VAE render service",
@@ -513,21 +515,31 @@ def _validated(
 
 async def _outcome(request: Request, job: Job, future: Future) -> Any:
     """The worker's answer for ``future``. A job still queued when its client disconnects or
-    its deadline passes is dropped (no worker decodes it); one already started finishes."""
+    its deadline passes is dropped (no worker decodes it); one already started finishes.
+    When a shutdown's drain grace runs out, the caller is answered 503 at once."""
     waiter = asyncio.wrap_future(future)
     gone = asyncio.ensure_future(_disconnected(request))
+    expired = asyncio.ensure_future(request.app.state.drain.expired.wait())
     deadline = job.deadline
     try:
         while True:
             timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
             done, _ = await asyncio.wait(
-                {waiter, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                {waiter, gone, expired}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
             if waiter in done:
                 return _result(waiter, job)
             if gone in done:
                 job.abandon()
                 raise ClientGone
+            if expired in done:
+                job.abandon()
+                raise ProtocolError(
+                    503,
+                    "the service is shutting down: its drain grace ran out before this decode "
+                    "finished",
+                    "retry: another instance",
+                )
             if job.future.cancel():  # still queued at its deadline: refuse it
                 raise _deadline_error(time.perf_counter() - job.enqueued)
             deadline = None  # it started in time: let it finish
@@ -536,6 +548,7 @@ async def _outcome(request: Request, job: Job, future: Future) -> Any:
         raise
     finally:
         gone.cancel()
+        expired.cancel()
         waiter.cancel()  # no-op once done; else no "exception never retrieved" later
 
 
