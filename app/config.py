@@ -34,6 +34,7 @@ class Settings(BaseSettings):
         16384, ge=1, description="the decoder's estimated working memory per request, else 413"
     )
     body_timeout_s: float = Field(60.0, gt=0, description="whole request body, else 408")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's headers, else 408")
     max_request_timeout_s: float = Field(300.0, gt=0, description="cap on a request's deadline")
     retry_after_s: int = Field(1, ge=1)
     drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: finish queued work this long")

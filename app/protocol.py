@@ -257,7 +257,9 @@ def _check_factors_in_float32(p: DecodeParams) -> None:
                     "in float32",
                     "a non-zero number with 1/scaling_factor within float32's range",
                 )
-    if p.shift_factor is not None and not np.isfinite(np.float32(p.shift_factor)):
+    with np.errstate(over="ignore"):
+        shift_overflows = p.shift_factor is not None and not np.isfinite(np.float32(p.shift_factor))
+    if shift_overflows:
         raise ProtocolError(
             422, f"shift_factor={p.shift_factor!r} overflows float32", "|shift_factor| < 3.4e38"
         )

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import torch
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import media
@@ -53,6 +55,7 @@ from app.protocol import (
     check_limits,
     check_scaling,
     choose_output,
+    echo,
     parse_body,
     parse_params,
     parse_timeout,
@@ -157,6 +160,7 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
     )
     app.state.engine, app.state.metrics, app.state.settings = engine, metrics, settings
     app.state.drain = drain
+    app.router.redirect_slashes = False  # Starlette's builds Location from Host: see http_error
     # the last added is the outermost: the envelope also wraps auth's 401s
     app.add_middleware(
         BearerAuth, tokens=settings.tokens(), protect_metrics=settings.protect_metrics
@@ -230,22 +234,41 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(exc.status, exc.body())
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404 and (location := _without_trailing_slash(app, request.scope)):
+            return Response(status_code=307, headers={"Location": location})
         return _error(exc.status_code, {"error": str(exc.detail)}, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(422, {"error": "invalid request", "detail": exc.errors()})
+        detail = [{**e, "input": echo(e.get("input"))} if "input" in e else e for e in exc.errors()]
+        return _error(422, {"error": "invalid request", "detail": detail[:8]})
+
+
+def _without_trailing_slash(app: FastAPI, scope: Scope) -> str | None:
+    """``/healthz/`` -> ``/healthz`` when that is a route: a path-only ``Location`` (never
+    built from the Host header, never ``//host`` that a browser would read as a host)."""
+    path = scope["path"]
+    stripped = path.rstrip("/")
+    if path == stripped or not stripped.startswith("/") or stripped.startswith("//"):
+        return None
+    target = {**scope, "path": stripped}
+    if not any(route.matches(target)[0] != Match.NONE for route in app.router.routes):
+        return None
+    query = scope.get("query_string", b"").decode("latin-1")
+    return quote(stripped) + (f"?{query}" if query else "")
 
 
 def _install_routes(
     app: FastAPI, engine: Engine, metrics: Metrics, settings: Settings, drain: Drain
 ) -> None:
     @app.get("/healthz", summary="Process alive")
+    @app.head("/healthz", include_in_schema=False)  # load balancers probe with HEAD too
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz", summary="200 once every model is resident and gated")
+    @app.head("/readyz", include_in_schema=False)
     async def readyz() -> JSONResponse:
         ready = engine.ready and not drain.draining
         body = {"ready": ready, "models": sorted(engine.models), "errors": engine.errors}
