@@ -247,19 +247,18 @@ def _parse_number(
 def _check_factors_in_float32(p: DecodeParams) -> None:
     """The decode divides and shifts in float32: a factor that is 0 or infinite there (1e-50,
     1e39) would turn every pixel into NaN, however finite it is as a Python float."""
-    if p.scaling_factor is not None:
-        scale = np.float32(p.scaling_factor)
-        with np.errstate(divide="ignore", over="ignore"):
-            if scale == 0 or not np.isfinite(np.float32(1) / scale):
-                raise ProtocolError(
-                    422,
-                    f"scaling_factor={p.scaling_factor!r} is 0, or its inverse overflows, "
-                    "in float32",
-                    "a non-zero number with 1/scaling_factor within float32's range",
-                )
-    with np.errstate(over="ignore"):
-        shift_overflows = p.shift_factor is not None and not np.isfinite(np.float32(p.shift_factor))
-    if shift_overflows:
+    with np.errstate(all="ignore"):
+        scale = np.float32(p.scaling_factor if p.scaling_factor is not None else 1.0)
+        scale_ok = scale != 0 and np.isfinite(scale) and np.isfinite(np.float32(1) / scale)
+        shift_ok = np.isfinite(np.float32(p.shift_factor or 0.0))
+    if not scale_ok:
+        raise ProtocolError(
+            422,
+            f"scaling_factor={p.scaling_factor!r} is 0 or infinite (or so is its inverse) "
+            "in float32",
+            "a non-zero number with it and 1/scaling_factor within float32's range",
+        )
+    if not shift_ok:
         raise ProtocolError(
             422, f"shift_factor={p.shift_factor!r} overflows float32", "|shift_factor| < 3.4e38"
         )

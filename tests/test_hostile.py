@@ -154,6 +154,7 @@ def test_a_shape_the_limits_refuse_is_answered_before_the_body_is_sent(server, q
     "params",
     [
         {"scaling_factor": "1e-50"},  # 0 in float32
+        {"scaling_factor": "1e39"},  # inf in float32: every pixel would decode from 0
         {"shift_factor": "1e39"},  # inf in float32
     ],
 )
