@@ -73,6 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.config import Settings
+    from app.http_timeouts import header_timeout_protocol
     from app.logging_json import uvicorn_kwargs
     from app.service import create_app
 
@@ -82,6 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         timeout_graceful_shutdown=settings.drain_grace_s,
+        http=header_timeout_protocol(settings.header_timeout_s),  # slow-header clients: 408
         server_header=False,  # no version banner for scanners
         **uvicorn_kwargs(),
     )

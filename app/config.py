@@ -29,7 +29,12 @@ class Settings(BaseSettings):
     max_pixels: int = 2048 * 2048
     max_frames: int = 257
     max_body_mb: int = 256
+    max_output_mb: int = Field(1024, ge=1, description="response body bytes per request, else 413")
+    max_decode_mb: int = Field(
+        16384, ge=1, description="the decoder's estimated working memory per request, else 413"
+    )
     body_timeout_s: float = Field(60.0, gt=0, description="whole request body, else 408")
+    header_timeout_s: float = Field(10.0, gt=0, description="a request's headers, else 408")
     max_request_timeout_s: float = Field(300.0, gt=0, description="cap on a request's deadline")
     retry_after_s: int = Field(1, ge=1)
     drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: finish queued work this long")
@@ -55,6 +60,8 @@ class Settings(BaseSettings):
             max_pixels=self.max_pixels,
             max_frames=self.max_frames,
             max_batch=self.max_batch,
+            max_output_bytes=self.max_output_mb << 20,
+            max_decode_bytes=self.max_decode_mb << 20,
         )
 
     def device_memory_bytes(self) -> int:

@@ -1,8 +1,10 @@
 """Graceful shutdown: SIGTERM drains accepted decodes before the server exits.
 
 Cloud Run (and Kubernetes) send SIGTERM, then SIGKILL after a grace. On SIGTERM the service
-refuses new decodes with 503, lets accepted ones finish within ``VAE_DRAIN_GRACE_S``, then
-hands the signal to uvicorn, which closes the listener and exits.
+refuses new decodes with 503, lets accepted ones finish within ``VAE_DRAIN_GRACE_S``, answers
+the ones still waiting when it runs out with 503 (``expired``), then hands the signal to
+uvicorn, which closes the listener, lets the answers go out, and exits. No accepted request
+is left without an answer.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ log = logging.getLogger("app.drain")
 @dataclass
 class Drain:
     """SIGTERM handling: refuse new decodes (503), let accepted ones finish within the grace,
-    then hand the signal to uvicorn, which closes the listener and exits."""
+    answer the rest 503 when it runs out, then hand the signal to uvicorn."""
 
     grace_s: float
+    answer_s: float = 1.0  # after the grace: time for the 503s to be written before the exit
     draining: bool = False
     active: int = 0  # decode requests accepted and not yet answered in full
+    # Set when the grace runs out: handlers still waiting for a decode answer 503 at once.
+    expired: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task | None = field(default=None, repr=False)
 
     def begin(self, forward: Callable[[bool], None]) -> None:
@@ -43,7 +48,14 @@ class Drain:
         while self.active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.active:
-            log.warning("drain grace ran out with %d requests unfinished", self.active)
+            log.warning("drain grace ran out with %d requests unfinished: answering them 503",
+                        self.active)  # fmt: skip
+            self.expired.set()
+            deadline = time.monotonic() + self.answer_s
+            while self.active and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        # Not forced when every request has its answer: uvicorn then waits for the answers
+        # to be written before it closes their connections.
         forward(self.active > 0)
 
 

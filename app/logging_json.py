@@ -35,6 +35,15 @@ MAX_URL, MAX_AGENT, MAX_FIELD = 2048, 512, 256
 _CLOUD_TRACE = re.compile(r"^([0-9a-fA-F]{32})(?:/(\d{1,20}))?(?:;o=([01]))?$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 _HANDLER_FLAG = "_vae_logging_json"
+# C0 and C1 controls, DEL, and the Unicode line/paragraph separators: a CR/LF in a logged value
+# would start a forged line in a text log; a NUL truncates some readers.
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character written as a visible escape (``\\x0d``)."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                         else f"\\u{ord(m.group()):04x}", text)  # fmt: skip
 
 
 def _severity(levelno: int) -> str:
@@ -45,11 +54,21 @@ def _severity(levelno: int) -> str:
     return SEVERITY[max(k for k in SEVERITY if k <= levelno)]
 
 
+class TextFormatter(logging.Formatter):
+    """A terminal's log line, its message's control characters escaped: a value carrying
+    CR/LF cannot start a line of its own. (A traceback, appended after, keeps its newlines.)"""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        escaped = logging.makeLogRecord(record.__dict__)
+        escaped.message = escape_controls(record.message)
+        return super().formatMessage(escaped)
+
+
 class JsonFormatter(logging.Formatter):
     """A log record -> one JSON object (no newlines inside) with Cloud Logging field names."""
 
     def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
+        message = escape_controls(record.getMessage())
         if record.exc_info:
             # Error Reporting finds a stack trace in `message`
             message = f"{message}\n{self.formatException(record.exc_info)}"
@@ -98,7 +117,7 @@ def configure_logging(json: bool | None = None, level: int = logging.INFO,
     if json:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     root.setLevel(level)
 
@@ -113,7 +132,7 @@ def uvicorn_kwargs(json: bool | None = None) -> dict[str, Any]:
 
 
 def _clip(value: Any, limit: int = MAX_FIELD) -> str:
-    text = "" if value is None else str(value)
+    text = "" if value is None else escape_controls(str(value))
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

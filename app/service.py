@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import re
 import signal
@@ -18,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Any
+from urllib.parse import quote
 
 import torch
 from fastapi import FastAPI, Request
@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import media
@@ -36,15 +37,15 @@ from app.logging_json import log_request
 from app.metrics import Metrics
 from app.protocol import (
     IMAGE_MIME,
-    RAW_TYPES,
-    WIRE_DTYPES,
     DecodeParams,
     Limits,
     ProtocolError,
+    check_content_encoding,
+    check_declared,
     check_limits,
     check_scaling,
     choose_output,
-    media_type,
+    echo,
     parse_body,
     parse_params,
     parse_timeout,
@@ -60,7 +61,7 @@ from app.timing import PhaseTimer
 from app.video import encode_mp4
 
 log = logging.getLogger("app.service")
-REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: "$" lets a "\n" through
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
 # Safe by default for an API that browsers should never render or frame (OWASP REST sheet).
 SECURITY_HEADERS = {
@@ -146,7 +147,9 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
             engine.load_all()
         yield
         restore()
-        engine.stop()
+        # After a drain that ran out, the worker may still be decoding work already answered
+        # 503: do not hold the exit for it.
+        engine.stop(timeout=0.5 if drain.expired.is_set() else 10.0)
 
     app = FastAPI(
         title="VAE render service",
@@ -156,6 +159,7 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
     )
     app.state.runtime, app.state.metrics, app.state.settings = engine, metrics, settings
     app.state.drain = drain
+    app.router.redirect_slashes = False  # Starlette's builds Location from Host: see http_error
     # the last added is the outermost: the envelope also wraps auth's 401s
     app.add_middleware(
         BearerAuth, tokens=settings.tokens(), protect_metrics=settings.protect_metrics
@@ -177,7 +181,7 @@ class Envelope:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         incoming = _header(scope, b"x-request-id")
-        rid = incoming if REQUEST_ID_RE.match(incoming) else uuid.uuid4().hex
+        rid = incoming if REQUEST_ID_RE.fullmatch(incoming) else uuid.uuid4().hex
         started = time.perf_counter()
         state = scope.setdefault("state", {})
         state["request_id"], state["started"] = rid, started
@@ -229,22 +233,41 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error(exc.status, exc.body())
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404 and (location := _without_trailing_slash(app, request.scope)):
+            return Response(status_code=307, headers={"Location": location})
         return _error(exc.status_code, {"error": str(exc.detail)}, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(422, {"error": "invalid request", "detail": exc.errors()})
+        detail = [{**e, "input": echo(e.get("input"))} if "input" in e else e for e in exc.errors()]
+        return _error(422, {"error": "invalid request", "detail": detail[:8]})
+
+
+def _without_trailing_slash(app: FastAPI, scope: Scope) -> str | None:
+    """``/healthz/`` -> ``/healthz`` when that is a route: a path-only ``Location`` (never
+    built from the Host header, never ``//host`` that a browser would read as a host)."""
+    path = scope["path"]
+    stripped = path.rstrip("/")
+    if path == stripped or not stripped.startswith("/") or stripped.startswith("//"):
+        return None
+    target = {**scope, "path": stripped}
+    if not any(route.matches(target)[0] != Match.NONE for route in app.router.routes):
+        return None
+    query = scope.get("query_string", b"").decode("latin-1")
+    return quote(stripped) + (f"?{query}" if query else "")
 
 
 def _install_routes(
     app: FastAPI, engine: Runtime, metrics: Metrics, settings: Settings, drain: Drain
 ) -> None:
     @app.get("/healthz", summary="Process alive")
+    @app.head("/healthz", include_in_schema=False)  # load balancers probe with HEAD too
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz", summary="200 once every model is resident and gated")
+    @app.head("/readyz", include_in_schema=False)
     async def readyz() -> JSONResponse:
         ready = engine.ready and not drain.draining
         body = {"ready": ready, "models": sorted(engine.models), "errors": engine.errors}
@@ -307,15 +330,6 @@ async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
-def _check_declared_shape(params: DecodeParams, content_type: str | None, limit: int) -> None:
-    """A raw body's size follows from shape and dtype: refuse a too-large one unread."""
-    if params.shape is None or (media_type(content_type) or "tensor/binary") not in RAW_TYPES:
-        return
-    size = math.prod(params.shape) * WIRE_DTYPES[params.dtype][1]
-    if size > limit:
-        raise ProtocolError(413, f"shape {params.shape} needs {size} bytes; the limit is {limit}")
-
-
 def _deadline(request: Request, params: DecodeParams, settings: Settings) -> float:
     """perf_counter time by which the decode must start: the caller's timeout, capped."""
     header = request.headers.get("x-request-timeout")
@@ -334,7 +348,7 @@ def _resolve_model(
         raise ProtocolError(
             400, "no model named", "POST /decode/{model}, ?model=, or set VAE_DEFAULT_MODEL"
         )
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise ProtocolError(404, "invalid model name", "letters, digits, '.', '_', '-'")
     if name in engine.models:
         return engine.models[name]
@@ -457,10 +471,11 @@ async def _decode(
         model = _resolve_model(name, params, engine, settings)
         limits = model.limits(settings.limits())
         content_type = request.headers.get("content-type")
-        _check_declared_shape(params, content_type, limits.max_body_bytes)
-        body = await _read_body(request, limits.max_body_bytes, settings.body_timeout_s)
+        check_content_encoding(request.headers.get("content-encoding"))
         geo = model.geometry
         kind, fmt = choose_output(params, request.headers.get("accept"), geo.is_video)
+        check_declared(params, content_type, geo, limits, kind)  # before reading the body
+        body = await _read_body(request, limits.max_body_bytes, settings.body_timeout_s)
         latent = _validated(body, content_type, params, model, limits, kind, request)
     job = Job(model, latent.float(), _scaling(params), _options(params), timer, WANT[kind])
     job.out_dtype = torch.uint8 if kind in ("image", "uint8", "mp4") else latent.dtype
@@ -507,7 +522,7 @@ def _validated(
     latent = parse_body(content_type, body, params)
     request.state.shape = list(latent.shape)
     latent = to_layout(latent, params, geo)
-    check_limits(latent.float(), geo, limits)
+    check_limits(latent, geo, limits, kind)
     check_scaling(latent, params)
     images = latent.shape[0] * (geo.frames_out(latent.shape[2]) if latent.ndim == 5 else 1)
     if kind == "image" and images != 1:
@@ -527,21 +542,31 @@ def _validated(
 
 async def _outcome(request: Request, job: Job, future: Future) -> Any:
     """The worker's answer for ``future``. A job still queued when its client disconnects or
-    its deadline passes is dropped (no worker decodes it); one already started finishes."""
+    its deadline passes is dropped (no worker decodes it); one already started finishes.
+    When a shutdown's drain grace runs out, the caller is answered 503 at once."""
     waiter = asyncio.wrap_future(future)
     gone = asyncio.ensure_future(_disconnected(request))
+    expired = asyncio.ensure_future(request.app.state.drain.expired.wait())
     deadline = job.deadline
     try:
         while True:
             timeout = None if deadline is None else max(0.0, deadline - time.perf_counter())
             done, _ = await asyncio.wait(
-                {waiter, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                {waiter, gone, expired}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
             if waiter in done:
                 return _result(waiter, job)
             if gone in done:
                 job.abandon()
                 raise ClientGone
+            if expired in done:
+                job.abandon()
+                raise ProtocolError(
+                    503,
+                    "the service is shutting down: its drain grace ran out before this decode "
+                    "finished",
+                    "retry: another instance",
+                )
             if job.future.cancel():  # still queued at its deadline: refuse it
                 raise _deadline_error(time.perf_counter() - job.enqueued)
             deadline = None  # it started in time: let it finish
@@ -550,6 +575,7 @@ async def _outcome(request: Request, job: Job, future: Future) -> Any:
         raise
     finally:
         gone.cancel()
+        expired.cancel()
         waiter.cancel()  # no-op once done; else no "exception never retrieved" later
 
 
@@ -700,7 +726,8 @@ WANT = {
 def _encode(
     decoded: torch.Tensor, kind: str, fmt: str, params: DecodeParams, timer: PhaseTimer
 ) -> Response:
-    """The runner's host tensor -> response body, per the chosen output kind."""
+    """The runner's host tensor -> response body, per the chosen output kind (the runner
+    has already refused a non-finite decode)."""
     with timer.phase("encode"):
         if kind == "image":
             data = media.encode_image(decoded[0], fmt, params.quality)

@@ -23,7 +23,7 @@ from app.decoders.base import VAEDecoder
 
 MANIFEST = "manifest.json"
 WEIGHTS = "decoder.safetensors"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch it: "$" passes "x\n"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,7 +33,7 @@ class StoreError(Exception):
 
 def check_name(name: str) -> str:
     """Model names are plain identifiers: nothing that walks out of the store."""
-    if not NAME_RE.match(name) or ".." in name:
+    if not NAME_RE.fullmatch(name) or ".." in name:
         raise StoreError(f"invalid model name {name!r}: use letters, digits, '.', '_', '-'")
     return name
 
@@ -56,6 +56,14 @@ class Manifest:
     def write(self, folder: Path) -> None:
         text = json.dumps(self.__dict__, indent=2, sort_keys=True) + "\n"
         (folder / MANIFEST).write_text(text)
+
+
+def public_source(source: str) -> str:
+    """What ``/models`` shows of where a model came from: a path's last part (the host's
+    folders are nobody's business), other labels (``synthetic:seed=0``) as they are."""
+    if "/" in source or "\\" in source:
+        return re.split(r"[/\\]", source.rstrip("/\\"))[-1] or "-"
+    return source
 
 
 def sha256_file(path: Path) -> str:

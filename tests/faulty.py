@@ -170,10 +170,16 @@ def decoded_tags() -> list[float]:
 # --- a real `python -m app serve` process (drain and load tests) ------------------------
 
 
+SERVE_WITH_FAULTY = "from tests import faulty; faulty.register(); from app.cli import main; main()"
+
+
 @contextmanager
-def serve_process(store: Path, log: Path, **env: str) -> Iterator[tuple[str, subprocess.Popen]]:
+def serve_process(
+    store: Path, log: Path, *, with_faulty: bool = False, **env: str
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m app serve`` on a loopback port, one torch thread; yields (url, process)
-    once /readyz answers 200. Its output goes to ``log`` (a pipe could fill and block it)."""
+    once /readyz answers 200. Its output goes to ``log`` (a pipe could fill and block it).
+    ``with_faulty``: the process knows the ``faulty`` family too (its store may hold one)."""
     port = free_port()
     environ = {
         **os.environ,
@@ -183,7 +189,8 @@ def serve_process(store: Path, log: Path, **env: str) -> Iterator[tuple[str, sub
         "VAE_LOG_FORMAT": "text",
         **env,
     }
-    cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    entry = ["-c", SERVE_WITH_FAULTY] if with_faulty else ["-m", "app"]
+    cmd = [sys.executable, *entry, "serve", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [*cmd, "--models-dir", str(store)], cwd=ROOT, env=environ, stdout=out, stderr=out

@@ -562,9 +562,10 @@ def json_log():
 
 
 def test_request_log_is_one_cloud_logging_json_line(json_log):
-    from app.logging_json import log_request
+    from app.logging_json import escape_controls, log_request
 
     hostile = 'x%s%(message)s{0}"\n\\'
+    logged = escape_controls(hostile)  # the newline as a visible \x0a: no forged lines
     fields = log_request(
         "req-1", "flux-tiny", (1, 16, 64, 64), "png", 200,
         {"parse": 0.41, "up_0": 12.3456, "encode": 3.2}, "cuda", False, 0.1234, "POST",
@@ -577,12 +578,12 @@ def test_request_log_is_one_cloud_logging_json_line(json_log):
     assert entry["severity"] == "INFO"
     assert (
         entry["message"]
-        == f"POST http://svc/decode/flux-tiny?shape=1&shape=16&q={hostile} 200 0.123s"
+        == f"POST http://svc/decode/flux-tiny?shape=1&shape=16&q={logged} 200 0.123s"
     )  # noqa: E501
     http = entry["httpRequest"]
     assert http == {"requestMethod": "POST", "requestUrl": fields["httpRequest"]["requestUrl"],
                     "status": 200, "latency": "0.123400s", "responseSize": "4096",
-                    "userAgent": hostile, "protocol": "HTTP/1.1"}  # fmt: skip
+                    "userAgent": logged, "protocol": "HTTP/1.1"}  # fmt: skip
     assert entry["request_id"] == "req-1" and entry["model"] == "flux-tiny"
     assert entry["shape"] == [1, 16, 64, 64] and entry["output"] == "png"
     assert entry["status"] == 200 and entry["device"] == "cuda" and entry["fallback"] is False

@@ -56,7 +56,7 @@ def one_client(url: str, tally: Tally, n: int, seed: int) -> None:
         params = {"shape": "[1,16,4,4]", "output_type": output}
         t0 = time.perf_counter()
         try:
-            r = session.post(f"{url}/decode/flux-tiny", data=LATENT, params=params, timeout=60)
+            r = session.post(f"{url}/decode/flux-tiny", data=LATENT, params=params)
         except requests.RequestException as exc:
             with tally.lock:
                 tally.lost.append(type(exc).__name__)
@@ -123,4 +123,144 @@ def test_64_clients_lose_nothing_and_memory_returns(store, tmp_path):
     assert tally.shed_without_retry_after == 0 and tally.short_bodies == 0
     assert not [c for c in on_server if c.startswith("5") and c != "503"], on_server
     assert on_server.get("200", 0) == ok + warm.codes.get(200, 0)  # as the clients saw
+    assert after < baseline * 1.25 + (64 << 20), (baseline, after)
+
+
+# --- a storm of good and hostile requests together (issue 15) -----------------------------
+
+HOSTILE_NPY = (
+    b"\x93NUMPY\x01\x00v\x00{'descr': '<f4', 'fortran_order': False, 'shape': (-1, -256), }"
+    + b" " * 52
+    + b"\n"
+    + b"\0" * 1024
+)
+
+
+def raw_status(url: str, request: bytes, trickle: bool = False) -> int:
+    """Status of the answer to ``request`` on a raw socket (headers only, no body), or 0.
+    ``trickle``: after the request line, one header byte every 0.2 s until answered."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=0.2 if trickle else 30) as s:
+        s.sendall(request)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                head = s.recv(64)
+                return int(head.split()[1]) if head else 0
+            except TimeoutError:
+                s.sendall(b"X")
+    return 0
+
+
+def storm_requests(url: str) -> dict[str, tuple[set[int], object]]:
+    """name -> (the codes it may get, a call returning its status)."""
+    z = f"{url}/decode/flux-tiny"
+
+    def post(*args, **kwargs) -> requests.Response:
+        return requests.post(*args, timeout=60, **kwargs)  # none may hang
+
+    pt = {"shape": "[1,16,4,4]", "output_type": "pt"}
+    big = 256 << 20
+
+    def oversize_unread() -> int:  # 256 MB declared, a shape the pixel limit refuses, no body
+        return raw_status(
+            url,
+            f"POST /decode/flux-tiny?shape=[1,16,512,512] HTTP/1.1\r\nHost: x\r\n"
+            f"Content-Length: {big}\r\n\r\n".encode(),
+        )
+
+    calls = {
+        "good_pt": ({200, 429, 503}, lambda: post(z, data=LATENT, params=pt)),
+        "good_png": (
+            {200, 429, 503},
+            lambda: post(z, data=LATENT, params={"shape": "[1,16,4,4]"}),
+        ),
+        "oversize_unread": ({413}, oversize_unread),
+        "output_cap": (
+            {413},
+            lambda: post(
+                z, data=b"\0" * (16 * 48 * 48 * 4), params={**pt, "shape": "[1,16,48,48]"}
+            ),
+        ),
+        "not_finite": (
+            {422, 429, 503},
+            lambda: post(z, data=LATENT, params={**pt, "shift_factor": "1e20"}),
+        ),
+        "npy_negative": (
+            {400},
+            lambda: post(z, data=HOSTILE_NPY, headers={"Content-Type": "application/x-npy"}),
+        ),
+        "log_injection": ({404}, lambda: post(f"{z}%0d%0aERROR%00forged", data=LATENT, params=pt)),
+        "gzip": (
+            {415},
+            lambda: post(z, data=LATENT, params=pt, headers={"Content-Encoding": "gzip"}),
+        ),
+        "bad_height": ({422}, lambda: post(z, data=LATENT, params={**pt, "height": "99999"})),
+        "long_param": ({422}, lambda: post(z, data=LATENT, params={"shape": "9" * 14000})),
+        "head_probe": ({200}, lambda: requests.head(f"{url}/healthz", timeout=10)),
+        "slow_headers": (
+            {408},
+            lambda: raw_status(url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n", trickle=True),
+        ),
+    }
+    return calls
+
+
+def test_a_storm_of_good_and_hostile_requests_loses_nothing(store, tmp_path):
+    """32 clients, 8 calls each, good and hostile mixed: every call answered with what its
+    kind expects (no 5xx but 503 + Retry-After, none lost or hung), /healthz stays quick,
+    and the server's memory comes back near its baseline."""
+    env = {"VAE_MAX_OUTPUT_MB": "1", "VAE_HEADER_TIMEOUT_S": "2", "VAE_LOG_FORMAT": "json"}
+    clients, per_client = 32, 8
+    got: dict[str, list] = {}
+    lock = threading.Lock()
+
+    def client(k: int, calls: dict) -> None:
+        names = sorted(calls)
+        for i in range(per_client):
+            name = names[(k * per_client + i) % len(names)]
+            try:
+                r = calls[name][1]()
+                code = r if isinstance(r, int) else r.status_code
+                if code in (429, 503) and not isinstance(r, int):
+                    code = code if "Retry-After" in r.headers else f"{code} without Retry-After"
+            except requests.RequestException as exc:
+                code = type(exc).__name__
+            with lock:
+                got.setdefault(name, []).append(code)
+
+    with faulty.serve_process(store, tmp_path / "serve.log", **env) as (url, proc):
+        calls = storm_requests(url)
+        burst(url, 16, 1)  # warm
+        baseline = faulty.rss_bytes(proc.pid)
+        threads = [threading.Thread(target=client, args=(k, calls)) for k in range(clients)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        probes = []
+        while any(t.is_alive() for t in threads) and time.perf_counter() - t0 < 120:
+            p0 = time.perf_counter()
+            requests.get(f"{url}/healthz", timeout=10)
+            probes.append(time.perf_counter() - p0)
+            time.sleep(0.2)
+        for t in threads:
+            t.join(60)
+        wall = time.perf_counter() - t0
+        time.sleep(1.0)
+        after = faulty.rss_bytes(proc.pid)
+        on_server = server_codes(url)
+    summary = {name: dict(sorted({str(c): codes.count(c) for c in codes}.items()))
+               for name, codes in sorted(got.items())}  # fmt: skip
+    print(
+        f"\nstorm: {clients * per_client} calls in {wall:.1f} s; healthz max "
+        f"{max(probes) * 1000:.0f} ms over {len(probes)} probes; RSS {baseline / 2**20:.0f} MiB"
+        f" before, {after / 2**20:.0f} MiB after; {summary}"
+    )
+    assert sum(len(c) for c in got.values()) == clients * per_client
+    for name, codes in got.items():
+        assert set(codes) <= calls[name][0], (name, codes)
+    assert not [c for c in on_server if c.startswith("5") and c != "503"], on_server
+    assert max(probes) < 2.0, max(probes)
     assert after < baseline * 1.25 + (64 << 20), (baseline, after)

@@ -561,3 +561,60 @@ def test_sigterm_exits_when_the_grace_runs_out(flux_tiny_store, tmp_path):
     assert "drain grace ran out" in log and rc in (0, -signal.SIGTERM), log[-2000:]
     assert elapsed < grace + 3, elapsed
     assert len(codes) == 12 and 200 in codes and set(codes) != {200}, codes
+
+
+@pytest.fixture(scope="module")
+def faulty_process_store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("drain-faulty-store")
+    faulty.bake(store, "faulty")
+    return store
+
+
+def queue_depth(url: str) -> float:
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vae_queue_depth"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_sigterm_answers_every_accepted_request_when_the_grace_runs_out(
+    faulty_process_store, tmp_path
+):
+    """10 decodes of 1.5 s each, a 2 s grace: those that cannot finish get 503 + Retry-After
+    (none is cut off unanswered), and so do requests sent after the SIGTERM."""
+    grace, n = 2.0, 10
+    env = {"VAE_DRAIN_GRACE_S": str(grace), "VAE_MAX_BATCH": "1", "VAE_QUEUE_DEPTH": "16"}
+    answers: list = []
+
+    def call(tag: float) -> None:
+        z = faulty.latent(faulty.SLEEP, 1.5, tag)
+        try:
+            r = post(url, z)
+            answers.append((r.status_code, r.headers.get("Retry-After"), r.text[:200]))
+        except requests.RequestException as exc:
+            answers.append((type(exc).__name__, None, ""))
+
+    log = tmp_path / "serve.log"
+    with faulty.serve_process(faulty_process_store, log, with_faulty=True, **env) as (url, proc):
+        threads = [threading.Thread(target=call, args=(float(i),)) for i in range(n)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while queue_depth(url) < n - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)  # all accepted: one decoding, the rest queued
+        assert queue_depth(url) == n - 1
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        late = [post(url, faulty.latent(tag=99.0)) for _ in range(2)]
+        for t in threads:
+            t.join(30)
+        rc = proc.wait(grace + 10)
+    text = log.read_text()
+    codes = [code for code, _, _ in answers]
+    assert len(answers) == n and set(codes) <= {200, 503}, (answers, text[-2000:])
+    assert 503 in codes, answers  # the grace cannot hold 15 s of decodes
+    assert all(int(retry) >= 1 for code, retry, _ in answers if code == 503), answers
+    assert all("shutting down" in body for code, _, body in answers if code == 503), answers
+    assert [r.status_code for r in late] == [503, 503]
+    assert all(r.headers["Connection"] == "close" for r in late)
+    assert rc in (0, -signal.SIGTERM), text[-2000:]

@@ -18,11 +18,11 @@ from app import timing
 from app.config import Settings
 from app.decoders.base import VAEDecoder
 from app.metrics import Metrics
-from app.protocol import Limits, ModelGeometry
+from app.protocol import Limits, ModelGeometry, peak_channels
 from app.runtime import device as devices
 from app.runtime import gate, modes
 from app.runtime.modes import Mode
-from app.store import Manifest, list_models, load_model
+from app.store import Manifest, list_models, load_model, public_source
 
 log = logging.getLogger("app.runtime.registry")
 
@@ -60,7 +60,12 @@ class ServedModel:
     def geometry(self) -> ModelGeometry:
         d = self.reference
         return ModelGeometry(
-            d.latent_channels, d.spatial_scale, d.temporal_scale, d.is_video, d.frames_out
+            d.latent_channels,
+            d.spatial_scale,
+            d.temporal_scale,
+            d.is_video,
+            d.frames_out,
+            peak_channels(d.config),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -69,7 +74,7 @@ class ServedModel:
             "name": self.name,
             "family": self.manifest.family,
             "config": self.reference.summary(),
-            "source": self.manifest.source,
+            "source": public_source(self.manifest.source),
             "store_dtype": self.manifest.dtype,
             "device": self.serving_device,
             "dtype": str(serving_dtype).removeprefix("torch."),
