@@ -89,7 +89,7 @@ def test_a_decode_that_needs_more_working_memory_than_the_cap_is_refused(server)
 
 def ltx_geometry() -> ModelGeometry:
     """LTX-Video 0.9.1's geometry (its config, not its 754 M weights)."""
-    from app.decoders.ltx import DEFAULTS
+    from app.decoders.ltx.model import DEFAULTS
     from app.protocol import peak_channels
 
     return ModelGeometry(128, 32, 8, True, lambda t: 1 + (t - 1) * 8, peak_channels(DEFAULTS))
@@ -115,7 +115,7 @@ def test_the_default_caps_refuse_the_attacks_ltx_request_and_keep_ordinary_ones(
 
 
 def test_the_default_decoder_memory_cap_admits_one_2048_flux_image_not_three():
-    from app.decoders.flux import FLUX1_CONFIG
+    from app.decoders.flux.model import FLUX1_CONFIG
     from app.protocol import check_declared, peak_channels
 
     geo, limits = ModelGeometry(16, 8, 1, False, lambda t: t, peak_channels(FLUX1_CONFIG)), Limits()
