@@ -111,6 +111,10 @@ step_bake() {
         "$VENV/bin/python" -m app bake --synthetic --models-dir "$STORE" "${only[@]}"
     fi
     ls -l "$STORE"/*/ >&2
+    # The image serves as uid 10001, not as the baker (root): every entry must be readable.
+    local unreadable
+    unreadable=$(find "$STORE" \( \( -type f ! -perm -0444 \) -o \( -type d ! -perm -0555 \) \) -print)
+    [ -z "$unreadable" ] || die "not readable by the service's user: $unreadable"
 }
 
 # Start `python -m app serve` on the store, wait for /readyz, decode one latent, read /metrics,
