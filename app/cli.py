@@ -73,16 +73,20 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.config import Settings
+    from app.devices import log_runtime
     from app.logging_json import uvicorn_kwargs
     from app.service import create_app
 
     settings = Settings(models_dir=Path(args.models_dir))
+    log_runtime(settings.device)
     uvicorn.run(
         create_app(settings),
         host=args.host,
         port=args.port,
         timeout_graceful_shutdown=settings.drain_grace_s,
         server_header=False,  # no version banner for scanners
+        proxy_headers=True,  # the client address from X-Forwarded-For, from trusted peers only
+        forwarded_allow_ips=settings.forwarded_allow_ips,
         **uvicorn_kwargs(),
     )
     return 0

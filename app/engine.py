@@ -201,6 +201,7 @@ class Engine:
             log.info("model %s: %s %s parity cosine %.7f", name, device, path, gate.cosine)
             if gate.passed:
                 break
+        self.metrics.parity_cosine.labels(name).set(gate.cosine)  # a failing gate's too
         reason = ""
         if not gate.passed:
             reason = (
@@ -222,7 +223,6 @@ class Engine:
             reason=reason,
             load_seconds=time.perf_counter() - t0,
         )
-        self.metrics.parity_cosine.labels(name).set(gate.cosine)
         self.metrics.fallback_active.labels(name).set(int(served.fallback))
         self.metrics.model_load_seconds.labels(name).set(served.load_seconds)
         return served

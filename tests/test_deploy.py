@@ -17,6 +17,7 @@ tests that need them skip and say so.
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import io
 import json
 import logging
@@ -165,7 +166,73 @@ def test_build_script_imports_serves_and_stops_on_sigterm(tmp_path):
     manifest = json.loads((store / "flux-ckpt" / "manifest.json").read_text())
     assert manifest["family"] == "flux"
     assert "smoke: flux-ckpt on cpu/float32" in out, out[-3000:]
+    assert "runtime: torch " in out and "(VAE_DEVICE=cpu)" in out, out[-3000:]  # startup line
     assert "graceful exit on SIGTERM" in out, out[-3000:]
+
+
+def _check_torch_cuda() -> Any:
+    spec = importlib.util.spec_from_file_location("check_torch_cuda",
+                                                  ROOT / "scripts" / "check_torch_cuda.py")  # fmt: skip
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("torch_cuda, driver, runs", [
+    ("13.0", "12.2", False),  # PyPI's default torch 2.13 on Cloud Run's L4 driver (535)
+    (None, "12.2", False),    # a CPU-only torch in the GPU image
+    ("12.8", "12.2", True),   # CUDA minor-version compatibility within 12.x
+    ("12.2", "12.2", True),
+    ("11.8", "12.2", True),
+    ("13.0", "13.0", True),
+])  # fmt: skip
+def test_cuda_check_refuses_a_torch_the_driver_cannot_run(torch_cuda, driver, runs):
+    assert (_check_torch_cuda().problem(torch_cuda, driver) is None) is runs
+
+
+def test_build_step_cuda_fails_on_a_torch_without_cuda():
+    """The image build's check, run for real on this machine's (CPU-only) torch."""
+    import torch
+
+    if torch.version.cuda:
+        pytest.skip(f"this torch is a CUDA {torch.version.cuda} build: the step would pass")
+    env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent), TARGET_CUDA="12.2")
+    result = _run(["bash", "scripts/build_image.sh", "cuda"], cwd=ROOT, env=env)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0 and "CPU-only build" in out, out[-2000:]
+
+
+def _arg_default(name: str) -> str:
+    return next(a.split("=", 1)[1].strip('"') for o, a in _dockerfile()
+                if o == "ARG" and a.startswith(f"{name}="))  # fmt: skip
+
+
+def test_image_defaults_to_a_cuda12_torch_that_the_l4_driver_runs():
+    """Dockerfile, Cloud Build and compose install torch from a CUDA 12 index by default, the
+    build checks it against the target driver, and the runtime refuses to serve on the CPU."""
+    index, target = _arg_default("TORCH_INDEX_URL"), _arg_default("TARGET_CUDA")
+    match = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(12)(\d)", index)
+    assert match, index
+    assert target == "12.2"  # Cloud Run's L4: driver 535, CUDA 12.2
+    assert _check_torch_cuda().problem(f"{match[1]}.{match[2]}", target) is None
+    instructions = _dockerfile()
+    runs = [a for o, a in instructions if o == "RUN" and "build_image.sh" in a]
+    steps = " ".join(runs).split()
+    assert steps.index("cuda") > steps.index("torch"), runs
+    runtime = instructions[max(i for i, (op, _) in enumerate(instructions) if op == "FROM") :]
+    assert "VAE_DEVICE=cuda" in " ".join(a for o, a in runtime if o == "ENV")
+    build = yaml.safe_load((DEPLOY / "cloudrun" / "cloudbuild.yaml").read_text())
+    assert build["substitutions"]["_TORCH_INDEX_URL"] == index
+    assert build["substitutions"]["_TARGET_CUDA"] == target
+    assert "--build-arg=TARGET_CUDA=${_TARGET_CUDA}" in build["steps"][0]["args"]
+    vae = _compose("docker-compose.yml")["services"]["vae"]
+    assert _interpolated(vae["build"]["args"]["TORCH_INDEX_URL"]) == index
+    assert _interpolated(vae["build"]["args"]["TARGET_CUDA"]) == target
+    assert vae["environment"]["VAE_DEVICE"] == "cuda"
+    service = yaml.safe_load((DEPLOY / "cloudrun" / "service.yaml").read_text())
+    env = {e["name"]: e["value"] for c in service["spec"]["template"]["spec"]["containers"]
+           for e in c.get("env", [])}  # fmt: skip
+    assert env["VAE_DEVICE"] == "cuda"
 
 
 def test_build_script_bakes_synthetic_when_no_checkpoint(tmp_path):

@@ -64,6 +64,10 @@ def test_fallback_off_keeps_readyz_503_with_the_reason(flux_store):
         assert "parity cosine" in ready.json()["reason"] and "flux-tiny" in ready.json()["reason"]
         models = requests.get(f"{url}/models").json()
         assert "flux-tiny" in models["errors"]
+        # the failing cosine is exported, not only written in /readyz's text
+        metrics = requests.get(f"{url}/metrics").text
+        (line,) = [m for m in metrics.splitlines() if m.startswith("vae_parity_cosine{")]
+        assert 'model="flux-tiny"' in line and 0.99 < float(line.split()[-1]) < 1.01
 
 
 def test_fallback_cpu_is_reported_in_models(flux_store):
