@@ -570,3 +570,23 @@ def test_sigterm_exits_when_the_grace_runs_out(store, tmp_path):
     assert rc in (0, -signal.SIGTERM), text[-2000:]
     assert grace <= ran_out, ran_out  # it waited the grace for the held decode
     assert len(codes) == 4 and codes[0] == 200 and 200 not in codes[1:], codes
+
+
+# --- the client address (X-Forwarded-For from trusted proxies only) ----------------------
+
+
+@pytest.mark.parametrize("trusted, logged", [
+    ("127.0.0.1", "203.0.113.7"),  # the test is the trusted proxy: its header names the client
+    ("10.9.9.9", "127.0.0.1"),     # an untrusted peer's header is ignored: a client cannot forge it
+])  # fmt: skip
+def test_the_client_address_comes_from_x_forwarded_for_of_trusted_proxies_only(
+    store, tmp_path, trusted, logged
+):
+    log = tmp_path / "serve.log"
+    env = {**SERVE_FAULTY, "VAE_LOG_FORMAT": "json", "VAE_FORWARDED_ALLOW_IPS": trusted}
+    with faulty.serve_process(store, log, True, **env) as (url, _):
+        r = post(url, faulty.latent(tag=120), headers={"X-Forwarded-For": "203.0.113.7"})
+        assert r.status_code == 200
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    (request,) = [e for e in lines if e.get("httpRequest", {}).get("status") == 200]
+    assert request["httpRequest"]["remoteIp"] == logged, request
