@@ -75,9 +75,11 @@ def _serve(args: argparse.Namespace) -> int:
     from app.config import Settings
     from app.http_timeouts import header_timeout_protocol
     from app.logging_json import uvicorn_kwargs
+    from app.runtime.device import log_runtime
     from app.service import create_app
 
     settings = Settings(models_dir=Path(args.models_dir))
+    log_runtime(settings.device)
     uvicorn.run(
         create_app(settings),
         host=args.host,
@@ -85,6 +87,8 @@ def _serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=settings.drain_grace_s,
         http=header_timeout_protocol(settings.header_timeout_s),  # slow-header clients: 408
         server_header=False,  # no version banner for scanners
+        proxy_headers=True,  # the client address from X-Forwarded-For, from trusted peers only
+        forwarded_allow_ips=settings.forwarded_allow_ips,
         **uvicorn_kwargs(),
     )
     return 0

@@ -52,6 +52,11 @@ class Settings(BaseSettings):
     # security
     api_tokens: SecretStr = Field(SecretStr(""), description="comma-separated bearer tokens")
     protect_metrics: bool = False
+    forwarded_allow_ips: str = Field(
+        "127.0.0.1",
+        description="peers whose X-Forwarded-For names the client (comma-separated IPs or "
+        "CIDRs, '*' for any); others' is ignored",
+    )
     threads: int = 0  # torch intra-op threads; 0 = torch's default
 
     def limits(self) -> Limits:

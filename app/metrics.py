@@ -1,8 +1,23 @@
-"""Prometheus metrics. The names and labels are a contract: dashboards and alerts use them."""
+"""Prometheus metrics. The names and labels are a contract (docs/metrics.md): dashboards and
+alerts use them."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# No `*_created` series: nothing here reads them, and Managed Prometheus bills every series.
+disable_created_metrics()
 
 PHASE_BUCKETS = (
     0.0005,
@@ -23,7 +38,44 @@ PHASE_BUCKETS = (
     60,
     120,
 )
+# whole requests may run VAE_MAX_REQUEST_TIMEOUT_S (300 s) in the queue plus a long video decode
+REQUEST_BUCKETS = (*PHASE_BUCKETS, 180, 300, 600)
 SIZE_BUCKETS = tuple(2**k for k in range(10, 31, 2))
+
+
+def code_class(code: int) -> str:
+    """200 -> "2xx", 499 -> "4xx": the request histogram's outcome label."""
+    return f"{code // 100}xx"
+
+
+def _device_memory() -> dict[tuple[str, str], float]:
+    from app.runtime.device import memory_bytes  # imported late: the runtime imports metrics
+
+    return memory_bytes()
+
+
+class DeviceMemory(Collector):
+    """``vae_device_memory_bytes{device, kind}``, read when Prometheus scrapes."""
+
+    def __init__(self, read: Callable[[], dict[tuple[str, str], float]] | None = None):
+        self.read = read or _device_memory
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "vae_device_memory_bytes",
+            "Device memory: allocated, reserved, peak, free, total (CUDA); the process's "
+            "resident set as allocated and peak (cpu)",
+            labels=["device", "kind"],
+        )
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield self._family()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for (device, kind), value in sorted(self.read().items()):
+            family.add_metric([device, kind], value)
+        yield family
 
 
 class Metrics:
@@ -41,9 +93,9 @@ class Metrics:
         )
         self.request_seconds = Histogram(
             "vae_request_seconds",
-            "Seconds per decode request, end to end",
-            ["model", "output"],
-            buckets=PHASE_BUCKETS,
+            "Seconds per decode request, end to end, every outcome",
+            ["model", "output", "code_class"],
+            buckets=REQUEST_BUCKETS,
             registry=r,
         )
         self.requests_total = Counter(
@@ -82,6 +134,7 @@ class Metrics:
             ["model", "reason", "path"],
             registry=r,
         )
+        r.register(DeviceMemory())
 
     def observe_phases(self, model: str, device: str, phases: dict[str, float]) -> None:
         for phase, seconds in phases.items():

@@ -34,7 +34,7 @@ from app.auth import BearerAuth
 from app.config import Settings
 from app.drain import Drain, route_sigterm
 from app.logging_json import log_request
-from app.metrics import Metrics
+from app.metrics import Metrics, code_class
 from app.protocol import (
     IMAGE_MIME,
     DecodeParams,
@@ -435,11 +435,13 @@ def _finisher(
         drain.active -= 1
         elapsed, phases = time.perf_counter() - started, timer.phases()
         served = engine.models.get(model_label)
+        model_seen = model_label if served else "-"
         if code < 400 and served is not None:
             metrics.observe_phases(model_label, served.serving_device, phases)
-            metrics.request_seconds.labels(model_label, output_label).observe(elapsed)
             metrics.response_bytes.labels(model_label, output_label).observe(size)
-        metrics.requests_total.labels(model_label if served else "-", output_label, str(code)).inc()
+        # every outcome, so timeouts and 503s show in the latency too
+        metrics.request_seconds.labels(model_seen, output_label, code_class(code)).observe(elapsed)
+        metrics.requests_total.labels(model_seen, output_label, str(code)).inc()
         log_request(
             request.state.request_id,
             model_label,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ MANIFEST = "manifest.json"
 WEIGHTS = "decoder.safetensors"
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch it: "$" passes "x\n"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Whoever serves a store may not be whoever wrote it (the image bakes as root and serves as an
+# unprivileged user), and safetensors writes 0600: every entry is made world-readable.
+READABLE_FILE, READABLE_DIR = 0o444, 0o555
 
 
 class StoreError(Exception):
@@ -100,6 +104,7 @@ def write_model(
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (WEIGHTS + ".tmp")
     save_file(cast, str(tmp))  # no metadata: its order is not stable, and sha256 must be
+    _add_mode(tmp, READABLE_FILE)
     tmp.replace(folder / WEIGHTS)
     manifest = Manifest(
         name,
@@ -111,7 +116,15 @@ def write_model(
         time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     manifest.write(folder)
+    for path, mode in ((folder / MANIFEST, READABLE_FILE), (folder, READABLE_DIR)):
+        _add_mode(path, mode)
+    _add_mode(Path(store), READABLE_DIR)
     return manifest
+
+
+def _add_mode(path: Path, bits: int) -> None:
+    """Add permission ``bits`` (never remove any: the owner keeps write access)."""
+    os.chmod(path, os.stat(path).st_mode & 0o7777 | bits)
 
 
 def _compare_keys(decoder: VAEDecoder, state: dict[str, Tensor]) -> tuple[list[str], list[str]]:

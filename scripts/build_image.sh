@@ -5,15 +5,17 @@
 # which cannot run Docker on its machines, exercises the same code path the image build does
 # (tests/test_deploy.py runs `bake smoke`; the full list runs anywhere with network access).
 #
-#   scripts/build_image.sh [STEP ...]        steps, in order: venv torch install bake smoke
-#                                            (default: all of them)
+#   scripts/build_image.sh [STEP ...]        steps, in order: venv torch install cuda bake smoke
+#                                            (default: all but cuda, which needs a CUDA torch)
 #
 # Environment (all optional):
 #   VENV              virtual environment to create / use        (default: .build/venv)
 #   PYTHON            interpreter that creates VENV              (default: python3.11, else python3)
 #   STORE             model store to bake into                   (default: .build/models)
-#   TORCH_INDEX_URL   index for torch only, e.g. https://download.pytorch.org/whl/cu128 to match
-#                     an older driver (Cloud Run L4: 535 / CUDA 12.2); default: PyPI's build
+#   TORCH_INDEX_URL   index for torch only; Dockerfile.gpu passes https://download.pytorch.org/whl/cu128
+#                     (a CUDA 12 build for Cloud Run's L4 driver, 535 / CUDA 12.2); default: PyPI's
+#   TARGET_CUDA       cuda step: the CUDA version the target's driver supports (default: 12.2);
+#                     fails when torch is a CPU build or built for a newer CUDA major
 #   VAE_FAMILY        flux | ltx | minimax-h3 | taesd: import a real checkpoint ...
 #   VAE_CHECKPOINT    ... from this path: a diffusers `vae/` folder (config.json + safetensors),
 #                     a pipeline folder holding `vae/`, a single file (ae.safetensors, *.pth), or
@@ -75,6 +77,13 @@ step_install() {
     "$VENV/bin/python" -c 'import torch, app.cli; print("torch", torch.__version__, "cuda", torch.version.cuda)'
 }
 
+# The installed torch must run on the target's driver (scripts/check_torch_cuda.py says why not).
+step_cuda() {
+    log "cuda: torch's CUDA build against the target driver's CUDA ${TARGET_CUDA:-12.2}"
+    "$VENV/bin/python" "$ROOT/scripts/check_torch_cuda.py" "${TARGET_CUDA:-12.2}" \
+        || die "torch cannot run on the target's driver (see above)"
+}
+
 # A folder that is not a diffusers folder but holds exactly one checkpoint file -> that file
 # (Dockerfile.gpu copies a single-file checkpoint into /ckpt/, so it arrives as a folder).
 resolve_checkpoint() {
@@ -111,6 +120,10 @@ step_bake() {
         "$VENV/bin/python" -m app bake --synthetic --models-dir "$STORE" "${only[@]}"
     fi
     ls -l "$STORE"/*/ >&2
+    # The image serves as uid 10001, not as the baker (root): every entry must be readable.
+    local unreadable
+    unreadable=$(find "$STORE" \( \( -type f ! -perm -0444 \) -o \( -type d ! -perm -0555 \) \) -print)
+    [ -z "$unreadable" ] || die "not readable by the service's user: $unreadable"
 }
 
 # Start `python -m app serve` on the store, wait for /readyz, decode one latent, read /metrics,
@@ -186,8 +199,8 @@ steps=("$@")
 if [ "${#steps[@]}" -eq 0 ]; then steps=(venv torch install bake smoke); fi
 for step in "${steps[@]}"; do
     case "$step" in
-        venv | torch | install | bake | smoke) "step_$step" ;;
-        *) die "unknown step '$step' (venv torch install bake smoke)" ;;
+        venv | torch | install | cuda | bake | smoke) "step_$step" ;;
+        *) die "unknown step '$step' (venv torch install cuda bake smoke)" ;;
     esac
 done
 log "done: ${steps[*]}"

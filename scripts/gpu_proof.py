@@ -641,7 +641,7 @@ def main() -> None:
     device = devices.resolve(args.device)
     devices.prepare(device)
     proof = Proof(device, args.quick, args.out)
-    print(devices.describe(device), flush=True)
+    print(devices.runtime_summary(args.device), flush=True)
     sections = ["encoder", "gate", "flux", "e2e", "graphs", "ladder", "l4", "compile"]
     for name in args.only or sections:
         proof.section(name, getattr(proof, name))

@@ -14,9 +14,13 @@ cell of each batch row says what to do (the probe latent is N(0,1), so it never 
     OOM_ALL      OutOfMemoryError on every path, at frame ``arg``
     CRASH        RuntimeError on every path, at frame ``arg``
     SLEEP        sleep ``arg`` seconds (per frame)
+    HOLD         block until the test calls ``release(tag)``: a decode that takes exactly as
+                 long as the test wants, on any machine (``started(tag)`` says it began)
     STICKY       the RuntimeError of a poisoned CUDA context (device-side assert), at ``arg``
 
 ``DECODED`` records (tag, path, frame) for every frame decoded; images are frame 0.
+HOLD's gates are files in ``$FAULTY_GATE_DIR``, so a server process started by the tests
+(``serve_process(..., faulty_family=True)``) is held and released the same way.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -44,7 +49,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FAMILY = "faulty"
 OOM_FAST, OOM_UNTILED, CRASH, SLEEP, OOM_ALL = 1001.0, 1002.0, 1003.0, 1004.0, 1005.0
-STICKY = 1006.0
+HOLD = 1006.0
+STICKY = 1007.0
+HOLD_LIMIT_S = 120.0  # a test that never releases fails its decode instead of hanging
+# one folder of HOLD gates per test session; servers started from it inherit the variable
+GATE_DIR = Path(os.environ.get("FAULTY_GATE_DIR") or tempfile.mkdtemp(prefix="faulty-gates-"))
+os.environ["FAULTY_GATE_DIR"] = str(GATE_DIR)
 CONFIG = {"latent_channels": 4, "scale": 8}
 DECODED: list[tuple[float, str, int]] = []  # (tag, "fast" | "tiled" | "cpu", frame)
 BATCHES: list[int] = []  # batch size of every frame decode call, in order
@@ -104,8 +114,8 @@ class Decoder(VAEDecoder):
     def _frame(self, z: Tensor, t: int, rows: list[list[float]], options: dict) -> Tensor:
         fast = self.proj.weight.dtype != torch.float32
         path = "cpu" if not fast else "tiled" if options.get("tiled") else "fast"
-        for command, arg, _ in rows:
-            _act(command, arg, t, fast, path)
+        for command, arg, tag in rows:
+            _act(command, arg, t, fast, path, tag)
         with _lock:
             DECODED.extend((tag, path, t) for _, _, tag in rows)
             BATCHES.append(len(rows))
@@ -117,9 +127,11 @@ def _commands(z: Tensor) -> list[list[float]]:
     return [[float(v) for v in row] for row in z.flatten(2)[:, :3, 0]]
 
 
-def _act(command: float, arg: float, t: int, fast: bool, path: str) -> None:
+def _act(command: float, arg: float, t: int, fast: bool, path: str, tag: float) -> None:
     if command == SLEEP:
         time.sleep(arg)
+    if command == HOLD:
+        _hold(tag)
     if command not in (OOM_FAST, OOM_UNTILED, OOM_ALL, CRASH, STICKY) or t != int(arg):
         return
     if command == STICKY:
@@ -130,6 +142,39 @@ def _act(command: float, arg: float, t: int, fast: bool, path: str) -> None:
         raise torch.OutOfMemoryError("injected out of memory on the untiled path")
     if command == CRASH:
         raise RuntimeError("injected decoder fault")
+
+
+def _gate(tag: float, what: str) -> Path:
+    return GATE_DIR / f"{what}-{tag:g}"
+
+
+def _hold(tag: float) -> None:
+    _gate(tag, "started").touch()
+    deadline = time.monotonic() + HOLD_LIMIT_S
+    while not _gate(tag, "release").exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"HOLD {tag:g} was never released")
+        time.sleep(0.005)
+
+
+def release(*tags: float) -> None:
+    """Let the HOLD decodes of ``tags`` finish (in this process or a server process)."""
+    for tag in tags:
+        _gate(tag, "release").touch()
+
+
+def started(tag: float) -> bool:
+    """Whether a worker has taken the HOLD decode of ``tag``."""
+    return _gate(tag, "started").exists()
+
+
+def wait_for(what: str, check: Callable[[], object], timeout: float = 60) -> None:
+    """Poll ``check`` until it is true: wait for a state, never for a guessed duration."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not seen in {timeout} s: {what}")
+        time.sleep(0.01)
 
 
 def init_synthetic(decoder: Decoder, generator: torch.Generator) -> None:
@@ -170,16 +215,13 @@ def decoded_tags() -> list[float]:
 # --- a real `python -m app serve` process (drain and load tests) ------------------------
 
 
-SERVE_WITH_FAULTY = "from tests import faulty; faulty.register(); from app.cli import main; main()"
-
-
 @contextmanager
 def serve_process(
-    store: Path, log: Path, *, with_faulty: bool = False, **env: str
+    store: Path, log: Path, faulty_family: bool = False, **env: str
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m app serve`` on a loopback port, one torch thread; yields (url, process)
     once /readyz answers 200. Its output goes to ``log`` (a pipe could fill and block it).
-    ``with_faulty``: the process knows the ``faulty`` family too (its store may hold one)."""
+    ``faulty_family``: the same CLI with the ``faulty`` family known (tests/faulty_serve.py)."""
     port = free_port()
     environ = {
         **os.environ,
@@ -189,8 +231,8 @@ def serve_process(
         "VAE_LOG_FORMAT": "text",
         **env,
     }
-    entry = ["-c", SERVE_WITH_FAULTY] if with_faulty else ["-m", "app"]
-    cmd = [sys.executable, *entry, "serve", "--host", "127.0.0.1", "--port", str(port)]
+    module = "tests.faulty_serve" if faulty_family else "app"
+    cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [*cmd, "--models-dir", str(store)], cwd=ROOT, env=environ, stdout=out, stderr=out

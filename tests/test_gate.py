@@ -146,3 +146,22 @@ def test_every_family_builds_a_bf16_copy_that_passes_every_gate_check(family, na
     expected = {"batch1", "batch2", "denormalized"} | ({"tiled"} if fast.supports_tiling else set())
     assert {c.name for c in report.checks} == expected
     assert report.passed(0.9999) and report.cosine < 1.0, report.describe()
+
+
+@pytest.mark.parametrize("native_bf16", ["1", "0"])
+def test_auto_takes_bf16_only_on_a_cpu_with_native_bf16(flux_store, monkeypatch, native_bf16):
+    """Both branches of ``auto`` on any CPU: as if it had native bf16, and as if it lacked it
+    (read back from the app's own ``/models``)."""
+    from fastapi.testclient import TestClient
+
+    from app.runtime.device import cpu_has_fast_bf16
+    from app.service import create_app
+
+    monkeypatch.setenv("VAE_CPU_FAST_BF16", native_bf16)
+    assert cpu_has_fast_bf16() is (native_bf16 == "1")
+    settings = Settings(models_dir=flux_store, models="flux-tiny", dtype="auto")
+    with TestClient(create_app(settings, load_in_background=False)) as client:
+        (described,) = client.get("/models").json()["models"]
+    assert described["dtype"] == ("bfloat16" if native_bf16 == "1" else "float32")
+    assert described["path"] == "optimized" and not described["fallback"]
+    assert 0.9999 <= described["parity_cosine"]

@@ -30,7 +30,7 @@ from app.runtime.scheduler import DeadlineExceeded, admit
 from app.service import _deadline, create_app
 from app.store import StoreError, check_name, load_model
 from tests import faulty
-from tests.live import TINY_FLUX, bake, live_server
+from tests.live import live_server
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,17 +69,25 @@ def post(url: str, z: torch.Tensor, model: str = "faulty", headers=None, **param
 def metric(url: str, name: str, **labels: str) -> float:
     """One sample of the exposition (0 when absent)."""
     for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+        if not line.startswith((name + "{", name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
-def occupy(url: str, seconds: float, tag: float) -> threading.Thread:
-    """Keep the single worker busy for ``seconds``; returns the running caller thread."""
-    thread = threading.Thread(target=post, args=(url, faulty.latent(faulty.SLEEP, seconds, tag)))
+def occupy(url: str, tag: float) -> threading.Thread:
+    """Hold the single worker until ``faulty.release(tag)``; returns the caller's thread once
+    the worker has taken the decode (no guess at how long anything takes)."""
+    thread = threading.Thread(target=post, args=(url, faulty.latent(faulty.HOLD, tag=tag)))
     thread.start()
-    time.sleep(0.15)  # the worker has taken it
+    faulty.wait_for(f"the worker took {tag}", lambda: faulty.started(tag))
     return thread
+
+
+def wait_queued(url: str, n: int) -> None:
+    """Wait until ``n`` decodes wait in the queue (the worker is held)."""
+    faulty.wait_for(f"{n} queued", lambda: metric(url, "vae_queue_depth") == n)
 
 
 # --- faults ------------------------------------------------------------------------------
@@ -114,7 +122,7 @@ def test_oom_on_every_path_is_a_json_503(server):
 
 def test_a_decoder_crash_fails_only_its_request(server):
     """A crash inside a micro-batch: the batch is split, the others still get their output."""
-    worker = occupy(server, 0.6, tag=50)
+    worker = occupy(server, tag=50)
     results: dict[float, requests.Response] = {}
 
     def call(command: float, tag: float) -> None:
@@ -124,6 +132,8 @@ def test_a_decoder_crash_fails_only_its_request(server):
     threads = [threading.Thread(target=call, args=c) for c in calls]
     for t in threads:
         t.start()
+    wait_queued(server, len(calls))  # all four queued: the worker takes them as one batch
+    faulty.release(50)
     for t in [worker, *threads]:
         t.join()
     crash = results[51]
@@ -184,32 +194,31 @@ def test_a_stream_stops_decoding_when_its_client_leaves(server):
     with post_mp4(server, faulty.latent(faulty.SLEEP, 0.05, tag=92, frames=60), stream=True) as r:
         assert r.status_code == 200
         next(r.iter_content(64))  # the stream is flowing; now hang up
-    time.sleep(0.8)
-    frames = len(faulty.decoded(92))
-    time.sleep(0.5)
-    # stopped at once, not when the encoder next wrote (a fragment is 2 s of video: 48 frames)
-    assert frames < 20 and len(faulty.decoded(92)) == frames
+    # one worker: once the next request is decoded, the stream's job has ended
     assert post(server, faulty.latent(tag=93)).status_code == 200
+    frames = len(faulty.decoded(92))
+    # stopped at once, not when the encoder next wrote (a fragment is 2 s of video: 48 frames)
+    assert frames < 20, frames
 
 
 # --- admission: deadlines and disconnects ------------------------------------------------
 
 
 def test_a_request_that_cannot_start_by_its_deadline_is_refused_not_decoded(server):
-    worker = occupy(server, 1.0, tag=60)
-    t0 = time.perf_counter()
-    by_header = post(server, faulty.latent(tag=61), headers={"X-Request-Timeout": "0.25"})
-    elapsed = time.perf_counter() - t0
-    by_param = post(server, faulty.latent(tag=62), timeout="0.2")
-    by_stream = post_mp4(
-        server, faulty.latent(tag=63, frames=2), headers={"X-Request-Timeout": "0.2"}
-    )
+    worker = occupy(server, tag=60)
+    try:  # answered while the worker is still held: at the deadline, not when it got to it
+        by_header = post(server, faulty.latent(tag=61), headers={"X-Request-Timeout": "0.25"})
+        by_param = post(server, faulty.latent(tag=62), timeout="0.2")
+        by_stream = post_mp4(
+            server, faulty.latent(tag=63, frames=2), headers={"X-Request-Timeout": "0.2"}
+        )
+    finally:
+        faulty.release(60)
     worker.join()
-    time.sleep(0.2)
     for r in (by_header, by_param, by_stream):
         assert r.status_code == 503 and "deadline" in r.json()["error"], r.text
         assert int(r.headers["Retry-After"]) >= 1
-    assert elapsed < 0.9  # answered at its deadline, not when the worker got to it
+    assert post(server, faulty.latent(tag=64)).status_code == 200  # the queue behind is done
     assert not {61, 62, 63} & set(faulty.decoded_tags())
 
 
@@ -238,17 +247,20 @@ def test_the_worker_refuses_a_job_whose_deadline_passed():
 
 
 def test_a_client_that_disconnects_while_queued_is_not_decoded(server):
-    worker = occupy(server, 1.0, tag=70)
+    worker = occupy(server, tag=70)
     gone_before = metric(server, "vae_requests_total", code="499")
     body = faulty.latent(tag=77).numpy().tobytes()
     sock = raw_request(server, "/decode/faulty?shape=[1,4,4,4]&output_type=pt", body)
-    time.sleep(0.3)  # queued behind the sleeper
-    sock.close()
+    try:
+        wait_queued(server, 1)  # queued behind the held decode
+        sock.close()
+        gone = lambda: metric(server, "vae_requests_total", code="499") == gone_before + 1  # noqa: E731
+        faulty.wait_for("the 499 is counted", gone)
+    finally:
+        faulty.release(70)
     worker.join()
-    time.sleep(0.3)
+    assert post(server, faulty.latent(tag=78)).status_code == 200  # the queue behind is done
     assert 77 not in faulty.decoded_tags()
-    assert metric(server, "vae_requests_total", code="499") == gone_before + 1
-    assert post(server, faulty.latent(tag=78)).status_code == 200
 
 
 # --- bodies -------------------------------------------------------------------------------
@@ -488,51 +500,57 @@ def test_user_input_never_becomes_a_log_format_string(tmp_path, caplog):
         record.getMessage()  # formats: the input only ever travels as an argument
 
 
-# --- drain on SIGTERM (a real `python -m app serve` process) -------------------------------
+# --- drain on SIGTERM (a real server process, its decodes held and released by the test) ---
 
 
-@pytest.fixture(scope="module")
-def flux_tiny_store(tmp_path_factory) -> Path:
-    store = tmp_path_factory.mktemp("drain-store")
-    bake(store, "flux", "flux-tiny", TINY_FLUX["flux-tiny"])
-    return store
+def start_held(url: str, tags: list[float], codes: list) -> list[threading.Thread]:
+    """One HOLD decode per tag, concurrently; returns once one is decoding and the rest are
+    queued. Each call appends its status (or the exception's name) to ``codes``."""
 
-
-LATENT = torch.randn(1, 16, 24, 24).numpy().tobytes()  # ~0.3 s per decode on one thread
-
-
-def start_calls(url: str, n: int, codes: list) -> list[threading.Thread]:
-    """``n`` concurrent decodes; each appends its status (or the exception's name)."""
-    params = {"shape": "[1,16,24,24]", "output_type": "pt"}
-
-    def call() -> None:
+    def call(tag: float) -> None:
         try:
-            r = requests.post(f"{url}/decode/flux-tiny", data=LATENT, params=params, timeout=30)
-            codes.append(r.status_code)
+            codes.append(post(url, faulty.latent(faulty.HOLD, tag=tag)).status_code)
         except requests.RequestException as exc:
             codes.append(type(exc).__name__)
 
-    threads = [threading.Thread(target=call) for _ in range(n)]
+    threads = [threading.Thread(target=call, args=(tag,)) for tag in tags]
     for t in threads:
         t.start()
-    time.sleep(0.3)  # all accepted: one decoding, the rest queued
+    faulty.wait_for("one decoding", lambda: any(faulty.started(t) for t in tags))
+    wait_queued(url, len(tags) - 1)
     return threads
 
 
-def test_sigterm_drains_queued_work_and_refuses_new(flux_tiny_store, tmp_path):
-    grace = 8.0
-    env = {"VAE_DRAIN_GRACE_S": str(grace), "VAE_MAX_BATCH": "1"}
+def wait_draining(url: str) -> requests.Response:
+    """/readyz once the server has taken the SIGTERM."""
+    answers: list[requests.Response] = []
+
+    def draining() -> bool:
+        answers.append(requests.get(f"{url}/readyz", timeout=10))
+        return answers[-1].status_code == 503
+
+    faulty.wait_for("draining", draining)
+    return answers[-1]
+
+
+SERVE_FAULTY = {"VAE_MAX_BATCH": "1", "VAE_MODELS": "faulty"}
+
+
+def test_sigterm_drains_queued_work_and_refuses_new(store, tmp_path):
+    grace = 120.0  # longer than the test: the drain ends when the work does, not at the grace
+    tags = [101.0 + i for i in range(8)]
     codes: list = []
-    with faulty.serve_process(flux_tiny_store, tmp_path / "serve.log", **env) as (url, proc):
-        threads = start_calls(url, 8, codes)
+    env = {**SERVE_FAULTY, "VAE_DRAIN_GRACE_S": str(grace)}
+    with faulty.serve_process(store, tmp_path / "serve.log", True, **env) as (url, proc):
+        threads = start_held(url, tags, codes)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
-        refused = requests.post(f"{url}/decode/flux-tiny", data=LATENT, timeout=10)
-        ready = requests.get(f"{url}/readyz", timeout=10)
+        ready = wait_draining(url)
+        refused = post(url, faulty.latent(tag=109))
+        faulty.release(*tags)
         for t in threads:
             t.join(30)
-        rc = proc.wait(grace + 5)
+        rc = proc.wait(30)
         elapsed = time.monotonic() - t0
     log = (tmp_path / "serve.log").read_text()
     assert codes == [200] * 8, (codes, log[-2000:])
@@ -541,26 +559,40 @@ def test_sigterm_drains_queued_work_and_refuses_new(flux_tiny_store, tmp_path):
     assert refused.headers["Connection"] == "close"
     assert ready.status_code == 503 and "draining" in ready.json()["reason"]
     assert rc in (0, -signal.SIGTERM), log[-2000:]
-    assert elapsed < grace, elapsed
+    assert "grace ran out" not in log and elapsed < grace, elapsed
+    assert 109 not in faulty.decoded_tags()
 
 
-def test_sigterm_exits_when_the_grace_runs_out(flux_tiny_store, tmp_path):
+def test_sigterm_exits_when_the_grace_runs_out(store, tmp_path):
+    """One request done before the SIGTERM, one held past the grace, two queued behind it."""
     grace = 0.5
-    env = {"VAE_DRAIN_GRACE_S": str(grace), "VAE_MAX_BATCH": "1"}
+    tags = [111.0, 112.0, 113.0, 114.0]
     codes: list = []
-    with faulty.serve_process(flux_tiny_store, tmp_path / "serve.log", **env) as (url, proc):
-        threads = start_calls(url, 12, codes)
+    env = {**SERVE_FAULTY, "VAE_DRAIN_GRACE_S": str(grace)}
+    log = tmp_path / "serve.log"
+    with faulty.serve_process(store, log, True, **env) as (url, proc):
+        threads = start_held(url, tags, codes)
+        first = next(t for t in tags if faulty.started(t))
+        faulty.release(first)
+        faulty.wait_for("the first answered", lambda: codes == [200])
+        faulty.wait_for("the next one held", lambda: sum(map(faulty.started, tags)) == 2)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(grace + 10)
-        elapsed = time.monotonic() - t0
+        try:
+            faulty.wait_for("grace ran out", lambda: "drain grace ran out" in log.read_text())
+            ran_out = time.monotonic() - t0
+            rc = proc.wait(30)
+            exited = time.monotonic() - t0
+        finally:
+            faulty.release(*tags)
         for t in threads:
             t.join(30)
-    log = (tmp_path / "serve.log").read_text()
-    print(f"grace {grace} s: exited after {elapsed:.2f} s, rc {rc}, answers {codes}")
-    assert "drain grace ran out" in log and rc in (0, -signal.SIGTERM), log[-2000:]
-    assert elapsed < grace + 3, elapsed
-    assert len(codes) == 12 and 200 in codes and set(codes) != {200}, codes
+    text = log.read_text()
+    print(f"grace {grace} s: ran out after {ran_out:.2f} s, exited after {exited:.2f} s, "
+          f"rc {rc}, answers {codes}")  # fmt: skip
+    assert rc in (0, -signal.SIGTERM), text[-2000:]
+    assert grace <= ran_out, ran_out  # it waited the grace for the held decode
+    assert len(codes) == 4 and codes[0] == 200 and 200 not in codes[1:], codes
 
 
 @pytest.fixture(scope="module")
@@ -595,7 +627,7 @@ def test_sigterm_answers_every_accepted_request_when_the_grace_runs_out(
             answers.append((type(exc).__name__, None, ""))
 
     log = tmp_path / "serve.log"
-    with faulty.serve_process(faulty_process_store, log, with_faulty=True, **env) as (url, proc):
+    with faulty.serve_process(faulty_process_store, log, faulty_family=True, **env) as (url, proc):
         threads = [threading.Thread(target=call, args=(float(i),)) for i in range(n)]
         for t in threads:
             t.start()
@@ -618,3 +650,23 @@ def test_sigterm_answers_every_accepted_request_when_the_grace_runs_out(
     assert [r.status_code for r in late] == [503, 503]
     assert all(r.headers["Connection"] == "close" for r in late)
     assert rc in (0, -signal.SIGTERM), text[-2000:]
+
+
+# --- the client address (X-Forwarded-For from trusted proxies only) ----------------------
+
+
+@pytest.mark.parametrize("trusted, logged", [
+    ("127.0.0.1", "203.0.113.7"),  # the test is the trusted proxy: its header names the client
+    ("10.9.9.9", "127.0.0.1"),     # an untrusted peer's header is ignored: a client cannot forge it
+])  # fmt: skip
+def test_the_client_address_comes_from_x_forwarded_for_of_trusted_proxies_only(
+    store, tmp_path, trusted, logged
+):
+    log = tmp_path / "serve.log"
+    env = {**SERVE_FAULTY, "VAE_LOG_FORMAT": "json", "VAE_FORWARDED_ALLOW_IPS": trusted}
+    with faulty.serve_process(store, log, True, **env) as (url, _):
+        r = post(url, faulty.latent(tag=120), headers={"X-Forwarded-For": "203.0.113.7"})
+        assert r.status_code == 200
+    lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    (request,) = [e for e in lines if e.get("httpRequest", {}).get("status") == 200]
+    assert request["httpRequest"]["remoteIp"] == logged, request

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +153,48 @@ def test_bad_entries_are_named(tmp_path, checkpoints):
         "import", "flux", str(tmp_path / "missing.safetensors"), "--name", "x", store=tmp_path
     )
     assert done.returncode != 0
+
+
+# The loader as the image's unprivileged user: Python and torch load as root (this machine's
+# interpreter may sit in root's home), then the process drops to uid/gid 65534 (nobody), and
+# only then opens the store, as the service does.
+UNPRIVILEGED_LOADER = """
+import json, os, sys
+import safetensors.torch  # noqa: F401  (imported while still root)
+from app.decoders import FAMILIES, family_module
+from app.store import list_models, load_model
+for family in FAMILIES:
+    family_module(family)
+os.setgroups([]); os.setgid(65534); os.setuid(65534)
+store, loaded = sys.argv[1], {}
+for name in list_models(store):
+    try:
+        load_model(store, name, verify=True)
+        loaded[name] = "ok"
+    except Exception as exc:
+        loaded[name] = repr(exc)
+print(json.dumps(loaded))
+"""
+
+
+def test_a_store_baked_by_root_loads_as_an_unprivileged_user():
+    """The image bakes /models as root and serves as uid 10001; safetensors writes 0600.
+    Baked under a strict umask, every entry must still load for another user."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to bake as one user and load as another")
+    holder = Path(tempfile.mkdtemp(prefix="store-"))  # the image's /: traversable by anyone
+    try:
+        holder.chmod(0o711)
+        store = holder / "models"
+        bake = [sys.executable, "-m", "app", "bake", "--synthetic", "--models-dir", str(store)]
+        done = subprocess.run([*bake, "--only", "ltx-tiny", "minimax-h3-tiny"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300,
+                              preexec_fn=lambda: os.umask(0o077))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        done = subprocess.run([sys.executable, "-c", UNPRIVILEGED_LOADER, str(store)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        loaded = json.loads(done.stdout.strip().splitlines()[-1])
+        assert loaded == {"ltx-tiny": "ok", "minimax-h3-tiny": "ok"}, loaded
+    finally:
+        shutil.rmtree(holder)

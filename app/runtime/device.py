@@ -1,11 +1,13 @@
-"""The serving device: which one, what it is, how much memory a decode may take, and what its
-errors mean (out of memory: retry smaller; a sticky CUDA error: the instance must go)."""
+"""The serving device: which one, what it is (the startup log line), its memory (the budget of
+a decode, the ``vae_device_memory_bytes`` gauge), and what its errors mean (out of memory:
+retry smaller; a sticky CUDA error: the instance must go)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import platform
+import resource
+from pathlib import Path
 
 import torch
 
@@ -45,35 +47,14 @@ def prepare(device: torch.device, memory_cap_bytes: int = 0) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, memory_cap_bytes / total), index)
 
 
-def describe(device: torch.device) -> str:
-    """One log line: torch, CUDA runtime and driver, the device."""
-    text = f"torch {torch.__version__}, python {platform.python_version()}"
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        driver = _driver_version()
-        text += (
-            f", CUDA runtime {torch.version.cuda}, driver {driver}, {props.name} "
-            f"({props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor})"
-        )
-    else:
-        text += f", CPU {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-        text += f", native bf16: {cpu_has_fast_bf16()}"
-    return text
-
-
-def _driver_version() -> str:
-    try:
-        import pynvml  # nvidia-ml-py, where installed
-
-        pynvml.nvmlInit()
-        return str(pynvml.nvmlSystemGetDriverVersion())
-    except Exception:
-        return "unknown"
-
-
 def cpu_has_fast_bf16() -> bool:
     """bf16 GEMMs beat float32 only with native bf16 dot products (AVX512-BF16 or AMX);
-    without them (AVX2) oneDNN emulates bf16 and a decode is many times slower."""
+    without them (AVX2) oneDNN emulates bf16 and a decode is many times slower.
+    ``VAE_CPU_FAST_BF16=1|0`` overrides the detection (so the tests can take the branch
+    this CPU would not)."""
+    forced = os.environ.get("VAE_CPU_FAST_BF16", "").strip().lower()
+    if forced in ("1", "true", "0", "false"):
+        return forced in ("1", "true")
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:
@@ -92,18 +73,6 @@ def memory_budget(device: torch.device, cap_bytes: int = 0) -> int | None:
     if cap_bytes:
         budget = min(budget, cap_bytes - torch.cuda.memory_allocated(device))
     return max(0, budget)
-
-
-def memory_stats(device: torch.device) -> dict[str, int]:
-    """allocated, reserved, peak, free, total bytes of the device (CUDA only)."""
-    free, total = torch.cuda.mem_get_info(device)
-    return {
-        "allocated": torch.cuda.memory_allocated(device),
-        "reserved": torch.cuda.memory_reserved(device),
-        "peak": torch.cuda.max_memory_allocated(device),
-        "free": free,
-        "total": total,
-    }
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -130,3 +99,78 @@ def release_cached(device: torch.device) -> None:
     """After an out-of-memory error: hand torch's cached blocks back before the retry."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+NVIDIA_DRIVER = Path("/proc/driver/nvidia/version")
+
+
+def _driver() -> str:
+    """The NVIDIA driver's version and the newest CUDA it supports, as far as can be read."""
+    parts = []
+    try:
+        # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.216.03  ..."
+        words = NVIDIA_DRIVER.read_text().split()
+        parts.append(next(w for w in words if w[:1].isdigit() and w.count(".") >= 1))
+    except (OSError, StopIteration):
+        pass
+    try:
+        version = torch._C._cuda_getDriverVersion()  # e.g. 12020; no public API for it
+        parts.append(f"CUDA {version // 1000}.{version % 1000 // 10}")
+    except (AttributeError, RuntimeError):
+        pass
+    return " ".join(parts) or "unknown"
+
+
+def runtime_summary(device_setting: str) -> str:
+    """One line for the startup log: torch, its CUDA build, driver and device."""
+    line = f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none (CPU build)'}"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        line += (
+            f", driver {_driver()}, device cuda:0 {props.name} "
+            f"({props.total_memory / 2**30:.1f} GiB, sm_{props.major}{props.minor})"
+        )
+    else:
+        line += ", no CUDA device visible, device cpu"
+    return line + f" (VAE_DEVICE={device_setting})"
+
+
+def log_runtime(device_setting: str) -> None:
+    """Log what the service runs on; warn when ``auto`` is about to decode on the CPU although
+    torch is a CUDA build (a missing GPU or a driver too old for the build)."""
+    log.info("runtime: %s", runtime_summary(device_setting))
+    if device_setting == "auto" and torch.version.cuda and not torch.cuda.is_available():
+        log.warning(
+            "VAE_DEVICE=auto and torch is a CUDA %s build, but no GPU is usable: serving on "
+            "the CPU (set VAE_DEVICE=cuda to refuse instead)",
+            torch.version.cuda,
+        )
+
+
+def memory_bytes() -> dict[tuple[str, str], float]:
+    """(device, kind) -> bytes. On a GPU: allocated, reserved, peak (max allocated), free and
+    total, per CUDA device; the CPU: the process's resident set (current and peak)."""
+    out: dict[tuple[str, str], float] = {}
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            name = f"cuda:{index}"
+            free, total = torch.cuda.mem_get_info(index)
+            out[(name, "allocated")] = torch.cuda.memory_allocated(index)
+            out[(name, "reserved")] = torch.cuda.memory_reserved(index)
+            out[(name, "peak")] = torch.cuda.max_memory_allocated(index)
+            out[(name, "free")], out[(name, "total")] = free, total
+    rss = _rss_bytes()
+    out[("cpu", "allocated")] = rss
+    # ru_maxrss is in KiB on Linux
+    out[("cpu", "peak")] = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return out
+
+
+def _rss_bytes() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

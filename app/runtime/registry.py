@@ -113,7 +113,7 @@ class Registry:
         try:
             self.device = devices.resolve(self.settings.device)
             devices.prepare(self.device, self.settings.device_memory_bytes())
-            log.info("serving on %s: %s", self.device, devices.describe(self.device))
+            log.info("serving on %s", self.device)
         except RuntimeError as exc:
             self.errors["*"] = str(exc)
             log.error("no model served: %s", exc)
