@@ -118,6 +118,8 @@ def instrument(stages: list[tuple[str, nn.Module]]) -> None:
 
 
 def _stage_start(module: nn.Module, args: tuple) -> None:
+    if torch.compiler.is_compiling():  # a compiled graph is timed whole, by the runner
+        return
     timer = _active.get()
     if timer is not None:
         scope = timer.device_phase(module._timed_stage)
@@ -126,6 +128,8 @@ def _stage_start(module: nn.Module, args: tuple) -> None:
 
 
 def _stage_end(module: nn.Module, args: tuple, output: object) -> None:
+    if torch.compiler.is_compiling():
+        return
     timer = _active.get()
     scopes = timer._open.get(id(module)) if timer is not None else None
     if scopes:

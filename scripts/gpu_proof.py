@@ -229,7 +229,10 @@ class Proof:
                 "VAE_DEVICE": self.device.type,
                 "VAE_WARMUP_SHAPES": f"1x16x{size // 8}x{size // 8}",
             }
-            with _server(store, Path(tmp) / "serve.log", env) as url:
+            server = _server(store, Path(tmp) / "serve.log", env)
+            with server as url:
+                for line in server.startup_lines():
+                    self.note(f"service: {line.split(' INFO ')[-1]}")
                 self._png_requests(url, image_model, size, 3 if self.quick else 20)
                 self._mp4_requests(url, Path(tmp), 2 if self.quick else 5)
                 self.report["models"] = requests.get(f"{url}/models", timeout=10).json()["models"]
@@ -544,6 +547,11 @@ class _server:
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"service not ready:\n{self.log.read_text()[-3000:]}")
+
+    def startup_lines(self) -> list[str]:
+        """The service's own account of its startup: gates, compiles, warm-ups."""
+        keys = ("parity cosine", "compiled", "warmed up", "serving on")
+        return [line for line in self.log.read_text().splitlines() if any(k in line for k in keys)]
 
     def __exit__(self, *exc: object) -> None:
         self.proc.terminate()

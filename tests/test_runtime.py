@@ -253,3 +253,26 @@ def test_a_stalled_mp4_reader_costs_only_its_own_stream(store):
         finally:
             sock.close()
         assert len(faulty.decoded(78)) < 250  # the worker stopped decoding it
+
+
+def test_a_compiled_shape_runs_its_graph_and_other_shapes_run_eagerly(runtime):
+    """The runner takes a model's compiled decode for exactly the shapes it was compiled
+    for (app/runtime/compiled.py compiles them on a GPU), timed as one ``decode`` phase."""
+    served = runtime.models["faulty"]
+    calls = []
+
+    def graph(z):
+        calls.append(tuple(z.shape))
+        return served.fast.decode(z, tiled=False)
+
+    served.compiled[(1, 4, 4, 4)] = graph
+    try:
+        timer = PhaseTimer()
+        runtime.runner.decode(served, faulty.latent(tag=96), Scaling(), {}, Want.RAW, timer)
+        assert calls == [(1, 4, 4, 4)] and "decode" in timer.phases()
+        runtime.runner.decode(
+            served, faulty.latent(tag=97, size=8), Scaling(), {}, Want.RAW, PhaseTimer()
+        )
+        assert calls == [(1, 4, 4, 4)]  # another shape: the eager decoder
+    finally:
+        served.compiled.clear()

@@ -12,6 +12,7 @@ import torch
 
 from app.config import Settings
 from app.metrics import Metrics
+from app.runtime import compiled
 from app.runtime.registry import Registry, ServedModel
 from app.runtime.runner import Runner, Scaling, Want
 from app.runtime.scheduler import Job, Scheduler
@@ -82,11 +83,10 @@ class Runtime:
         algorithm search and the allocator's growth happen before the first real request."""
         shapes = parse_shapes(self.settings.warmup_shapes)
         for model in self.registry.models.values():
-            for shape in shapes:
-                if shape[1] != model.reference.latent_channels:
-                    continue
-                if (len(shape) == 5) != model.reference.is_video:
-                    continue
+            fitting = [s for s in shapes if _fits(model, s)]
+            if fitting and self.settings.compile == "auto" and compiled.eligible(model):
+                compiled.compile_shapes(model, fitting, self.settings.parity_min_cos)
+            for shape in fitting:
                 latent = torch.zeros(shape)
                 timer = PhaseTimer()
                 self.runner.decode(model, latent, Scaling(), {}, Want.UINT8, timer)
@@ -96,6 +96,11 @@ class Runtime:
 
     def _device_lost(self, reason: str) -> None:
         self.on_device_lost(reason)
+
+
+def _fits(model: ServedModel, shape: tuple[int, ...]) -> bool:
+    video = model.reference.is_video
+    return shape[1] == model.reference.latent_channels and (len(shape) == 5) == video
 
 
 def parse_shapes(text: str) -> list[tuple[int, ...]]:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from app import timing
 from app.config import Settings
@@ -39,6 +41,8 @@ class ServedModel:
     fallback: bool
     reason: str = ""
     load_seconds: float = 0.0
+    # latent shape -> its compiled decode (app/runtime/compiled.py), gated like the fast copy
+    compiled: dict[tuple[int, ...], Callable[[Tensor], Tensor]] = field(default_factory=dict)
 
     @property
     def active(self) -> VAEDecoder:
@@ -86,6 +90,7 @@ class ServedModel:
             "fallback": self.fallback,
             "fallback_reason": self.reason or None,
             "load_seconds": round(self.load_seconds, 3),
+            "compiled_shapes": [list(shape) for shape in self.compiled],
         }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from app.runtime.registry import ServedModel
 from app.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime.runner")
+PLANNING_SHARE = 0.8  # of the free device memory (measured: docs/BENCHMARKS.md, L4 emulation)
 
 
 class Want(enum.Enum):
@@ -64,11 +65,12 @@ class Scaling:
 
 @dataclass
 class Attempt:
-    """One rung of the ladder: which decoder, tiled or not."""
+    """One rung of the ladder: which decoder, tiled or not (or its compiled graph)."""
 
     decoder: VAEDecoder
     tiled: bool | None
     label: str
+    compiled: Callable[[Tensor], Tensor] | None = None
 
 
 class Runner:
@@ -119,19 +121,25 @@ class Runner:
 
     def _first_attempt(self, model: ServedModel, latent: Tensor) -> Attempt:
         """The served decoder, untiled on a GPU when the estimate fits the free memory."""
-        decoder = model.active
-        budget = devices.memory_budget(_device_of(decoder), self.memory_cap)
+        decoder, graph = model.active, model.compiled.get(tuple(latent.shape))
+        budget = self._budget(decoder)
         if budget is None:
-            return Attempt(decoder, None, "served")  # CPU: the family's own default
+            return Attempt(decoder, None, "served", graph)  # CPU: the family's own default
         one = decoder.working_bytes(tuple(latent[:1].shape), _element_size(decoder))
         if one <= budget:
-            return Attempt(decoder, False, "served")
+            return Attempt(decoder, False, "served", graph)
         if decoder.supports_tiling:
             return Attempt(decoder, True, "tiled")
         raise OutOfMemory(
             f"decoding this latent needs about {one / 2**30:.1f} GiB of device memory; "
             f"{budget / 2**30:.1f} GiB is free"
         )
+
+    def _budget(self, decoder: VAEDecoder) -> int | None:
+        """The share of free device memory a decode is planned into: near the limit the
+        caching allocator has to free and retry, which costs more than a split."""
+        budget = devices.memory_budget(_device_of(decoder), self.memory_cap)
+        return None if budget is None else int(budget * PLANNING_SHARE)
 
     def _next_attempt(self, model: ServedModel, attempt: Attempt) -> Attempt:
         if attempt.decoder.supports_tiling and attempt.tiled is not True:
@@ -143,7 +151,7 @@ class Runner:
     def split_for_budget(self, model: ServedModel, latent: Tensor) -> list[Tensor]:
         """A micro-batch cut into pieces whose estimated working memory fits the device."""
         decoder = model.active
-        budget = devices.memory_budget(_device_of(decoder), self.memory_cap)
+        budget = self._budget(decoder)
         if budget is None or latent.shape[0] == 1:
             return [latent]
         one = decoder.working_bytes(tuple(latent[:1].shape), _element_size(decoder))
@@ -163,7 +171,11 @@ class Runner:
         decoder = attempt.decoder
         with torch.inference_mode(), timer.active():
             z = self._prepare(decoder, latent, scaling, timer)
-            out = decoder.decode(z, **options, **_tiled(decoder, attempt.tiled))
+            if attempt.compiled is not None and not options:
+                with timing.phase("decode"):  # one graph: no stage boundaries to time
+                    out = attempt.compiled(z)
+            else:
+                out = decoder.decode(z, **options, **_tiled(decoder, attempt.tiled))
             del z
             host = self._postprocess(decoder, out, want, out_dtype, video=latent.ndim == 5)
         timer.resolve()
