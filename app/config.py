@@ -49,6 +49,9 @@ class Settings(BaseSettings):
         "off", description="out of memory even tiled: 503 (off) or the float32 CPU path (cpu)"
     )
     warmup_shapes: str = Field("", description="latent shapes decoded at startup: 1x16x128x128")
+    max_decode_mpixels: int = Field(
+        4, ge=1, description="GPU: a micro-batch is split into decodes of this many Mpixels"
+    )
     compile: Literal["auto", "off"] = Field(
         "auto", description="auto: torch.compile the warm-up shapes of image models on a GPU"
     )

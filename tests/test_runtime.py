@@ -276,3 +276,11 @@ def test_a_compiled_shape_runs_its_graph_and_other_shapes_run_eagerly(runtime):
         assert calls == [(1, 4, 4, 4)]  # another shape: the eager decoder
     finally:
         served.compiled.clear()
+
+
+def test_a_batch_is_split_into_decodes_of_at_most_max_decode_pixels(runtime, monkeypatch):
+    monkeypatch.setattr(runner_module.devices, "memory_budget", lambda d, c: 1 << 40)
+    monkeypatch.setattr(runtime.runner, "max_decode_pixels", 2 * 32 * 32)  # two latents' worth
+    faulty.BATCHES.clear()
+    out = decode(runtime, rows((0, 0, 88), (0, 0, 89), (0, 0, 90)))
+    assert out.shape[0] == 3 and faulty.BATCHES == [2, 1]

@@ -28,7 +28,12 @@ class Runtime:
         self.settings = settings
         self.metrics = metrics
         self.registry = Registry(settings, metrics)
-        self.runner = Runner(metrics, settings.oom_fallback, settings.device_memory_bytes())
+        self.runner = Runner(
+            metrics,
+            settings.oom_fallback,
+            settings.device_memory_bytes(),
+            settings.max_decode_mpixels << 20,
+        )
         self.scheduler = Scheduler(
             self.runner, metrics, settings.queue_depth, settings.max_batch, self._device_lost
         )

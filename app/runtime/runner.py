@@ -74,10 +74,17 @@ class Attempt:
 
 
 class Runner:
-    def __init__(self, metrics: Metrics, oom_fallback: str = "off", memory_cap: int = 0) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        oom_fallback: str = "off",
+        memory_cap: int = 0,
+        max_decode_pixels: int = 4 << 20,
+    ) -> None:
         self.metrics = metrics
         self.oom_fallback = oom_fallback
         self.memory_cap = memory_cap
+        self.max_decode_pixels = max_decode_pixels
 
     # --- whole decodes ------------------------------------------------------------------
     def decode(
@@ -149,14 +156,17 @@ class Runner:
         raise OutOfMemory("out of device memory decoding this latent, even tiled")
 
     def split_for_budget(self, model: ServedModel, latent: Tensor) -> list[Tensor]:
-        """A micro-batch cut into pieces whose estimated working memory fits the device."""
+        """A micro-batch cut into pieces whose estimated working memory fits the device, and
+        of at most ``max_decode_pixels`` output pixels each (past that, a GPU decode gets
+        slower per pixel: docs/BENCHMARKS.md)."""
         decoder = model.active
         budget = self._budget(decoder)
         if budget is None or latent.shape[0] == 1:
             return [latent]
         one = decoder.working_bytes(tuple(latent[:1].shape), _element_size(decoder))
-        per_piece = max(1, budget // max(one, 1))
-        return list(latent.split(int(per_piece)))
+        pixels = latent.shape[-2] * latent.shape[-1] * decoder.spatial_scale**2
+        per_piece = min(budget // max(one, 1), self.max_decode_pixels // pixels)
+        return list(latent.split(int(max(1, per_piece))))
 
     def _run(
         self,
