@@ -189,7 +189,9 @@ class UpBlock(nn.Module):
     def __init__(self, cin: int, cout: int, layers: int, up: str | None) -> None:
         super().__init__()
         dims = [cin] + [cout] * layers
-        self.resnets = nn.ModuleList(ResidualBlock(a, b) for a, b in zip(dims, dims[1:]))
+        self.resnets = nn.ModuleList(
+            ResidualBlock(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True)
+        )
         self.upsamplers = None
         if up is not None:
             self.upsamplers = nn.ModuleList([Upsampler(cout, cout // 2, up == "3d")])
@@ -206,7 +208,9 @@ class ResidualUpBlock(nn.Module):
     def __init__(self, cin: int, cout: int, layers: int, up: str | None) -> None:
         super().__init__()
         dims = [cin] + [cout] * layers
-        self.resnets = nn.ModuleList(ResidualBlock(a, b) for a, b in zip(dims, dims[1:]))
+        self.resnets = nn.ModuleList(
+            ResidualBlock(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True)
+        )
         self.upsampler = Upsampler(cout, cout, up == "3d") if up is not None else None
         self.cout, self.factor_t = cout, 2 if up == "3d" else 1
 
@@ -246,7 +250,7 @@ class WanDecoder(VAEDecoder):
         self.conv_in = CausalConv3d(z, dims[0], 3)
         self.mid_block = MidBlock(dims[0])
         self.up_blocks = nn.ModuleList()
-        for i, (cin, cout) in enumerate(zip(dims, dims[1:])):
+        for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
             last = i == len(mult) - 1
             up = None if last else ("3d" if temporal[i] else "2d")
             if residual:
