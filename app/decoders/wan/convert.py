@@ -109,6 +109,7 @@ def _qwen_config(raw: dict[str, Any]) -> dict[str, Any]:
         "out_channels": raw.get("input_channels", 3),
         "patch_size": None,
         "spatial_compression_ratio": 2 ** len(temporal),  # as AutoencoderKLQwenImage tiles
+        "tiled_clamp": False,  # its tiled_decode does not clamp (its one-pass decode does)
         "latents_mean": list(raw.get("latents_mean", WAN21_MEAN)),
         "latents_std": list(raw.get("latents_std", WAN21_STD)),
         "fps": FPS["qwen-image"],

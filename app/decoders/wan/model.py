@@ -340,7 +340,10 @@ class WanDecoder(VAEDecoder):
                         zip(grid.tiles, streams, strict=True)]  # fmt: skip
                 with phase("blend"):
                     out = grid.blend(outs)
-            yield unpatchify(out, self.patch).clamp(-1.0, 1.0)
+            out = unpatchify(out, self.patch)
+            # AutoencoderKLQwenImage.tiled_decode returns its blend unclamped ("tiled_clamp")
+            clamp = grid is None or self.config.get("tiled_clamp", True)
+            yield out.clamp(-1.0, 1.0) if clamp else out
 
 
 def unpatchify(x: Tensor, p: int) -> Tensor:
