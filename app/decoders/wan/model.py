@@ -328,6 +328,8 @@ class WanDecoder(VAEDecoder):
         ``tile_sample_stride`` (pixels, diffusers' 256 / 192)."""
         if z.ndim == 4:
             z = z.unsqueeze(2)
+        weight = self.conv_in.weight
+        z = z.to(device=weight.device, dtype=weight.dtype)
         step = int(options.get("chunk_frames", 2)) or z.shape[2]
         grid = tiling.grid(self, z, options) if options.get("tiled") else None
         streams = [Stream() for _ in (grid.tiles if grid else [None])]
