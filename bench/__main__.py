@@ -10,6 +10,7 @@ BENCHES = {
     "ltx": "bench.ltx",
     "minimax-h3": "bench.minimax_h3",
     "taesd": "bench.taesd",
+    "wan": "bench.wan",
 }
 
 

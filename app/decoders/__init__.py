@@ -10,6 +10,7 @@ FAMILIES: dict[str, str] = {
     "ltx": "app.decoders.ltx",
     "minimax-h3": "app.decoders.minimax_h3",
     "taesd": "app.decoders.taesd",
+    "wan": "app.decoders.wan",
 }
 
 

@@ -70,14 +70,47 @@ def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
         folder = source / "vae" if (source / "vae" / "config.json").exists() else source
         raw = json.loads((folder / "config.json").read_text())
         tensors = ops.read_safetensors_folder(folder)
+        _refuse_ltx2(source, raw, tensors)
     else:
         raw, tensors = _read_single_file(source)
+        with safe_open(str(source), framework="pt", device="cpu") as f:
+            _refuse_ltx2(source, raw, f.keys())
     if any(".res_blocks." in k or "per_channel_statistics" in k for k in tensors):
         config, state = _from_lightricks(tensors, raw)
     else:
         config, state = _from_diffusers(tensors, raw)
     _check_state(config, state)
     return config, state
+
+
+# LTX-2 (``AutoencoderKLLTX2Video``) shares LTX-Video's key names but not its arithmetic
+# (reflect spatial padding, spatial-only / temporal-only upsamplers, plain conv shortcuts):
+# decoded as 0.9.x it comes out wrong without a word, so it is refused by what gives it away.
+_LTX2_CONFIG_KEYS = ("upsample_type", "encoder_spatial_padding_mode")
+_LTX2_PADDING_KEYS = ("decoder_spatial_padding_mode", "spatial_padding_mode")
+_LTX2_KEY_MARKERS = ("audio_vae.", "vocoder.", "model.diffusion_model.audio_")
+
+
+def _refuse_ltx2(source: Path, raw: dict[str, Any], keys: Any) -> None:
+    """Raise ``ValueError`` naming what marks ``source`` as LTX-2, if anything does."""
+    seen = []
+    if "LTX2" in str(raw.get("_class_name", "")):
+        seen.append(f"_class_name {raw['_class_name']!r}")
+    seen += [f"config key {k!r}" for k in _LTX2_CONFIG_KEYS if k in raw]
+    seen += [f"{k}={raw[k]!r}" for k in _LTX2_PADDING_KEYS if raw.get(k, "zeros") != "zeros"]
+    blocks = raw.get("decoder_blocks") or raw.get("blocks") or []
+    seen += sorted(
+        {f"decoder block {b[0]!r}" for b in blocks if b[0] in ("compress_space", "compress_time")}
+    )
+    marked = sorted({m for k in keys for m in _LTX2_KEY_MARKERS if k.startswith(m)})
+    seen += [f"tensors under {m!r}" for m in marked]
+    if source.is_dir() and any(k.endswith("conv_shortcut.weight") for k in keys):
+        seen.append("plain conv_shortcut weights (0.9.x diffusers has conv_shortcut.conv)")
+    if seen:
+        raise ValueError(
+            f"{source}: an LTX-2 (AutoencoderKLLTX2Video) checkpoint ({'; '.join(seen)}); "
+            "the ltx family decodes LTX-Video 0.9.x only and would decode this one wrong"
+        )
 
 
 def _read_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:

@@ -1,0 +1,361 @@
+"""The Wan VAE decoder: Wan 2.1, Wan 2.2 TI2V and Qwen-Image's ``AutoencoderKLQwenImage``.
+
+latent [B,z,T,H,W] -> post_quant_conv -> conv_in -> mid (resnet, attention, resnet)
+-> up blocks (resnets, then a 2x upsampler: spatial, or spatial + temporal) -> RMSNorm -> SiLU
+-> conv_out [-> unpatchify 2x2 (Wan 2.2)] -> clamp -> RGB [B,3,1+4(T-1),8H,8W] (x16 for 2.2)
+
+Variants (one config, diffusers' ``AutoencoderKLWan`` names):
+  Wan 2.1 / Qwen-Image  16 channels; an upsampler halves the channels it hands on.
+  Wan 2.2 TI2V          48 channels, ``is_residual``: each up block adds a parameter-free
+                        "duplicate up" shortcut of its input; 12 output channels unpatchified
+                        2x2 (``patch_size`` 2).
+
+Time. Every layer is frame-local (RMSNorm over channels, attention within a frame, 2-D
+upsampling convs) except the causal 3-D convs. A causal conv sees its input preceded by two
+ZERO frames at the start of the stream (not repeated frames, as in LTX), then the last two
+frames it saw: the reference decodes one latent frame per call with a frame cache, and that is
+the same arithmetic as one causal pass. So the decoder streams exactly, any number of latent
+frames at a time (``Stream`` holds each conv's two-frame carry). One first-frame rule: a
+temporal upsampler passes the stream's first frame through undoubled and unseen by its time
+conv, which starts on the second frame with a zero carry; so T latent frames make 1 + 2(T-1)
+frames per temporal upsampler. Wan 2.2's duplicate-up shortcut drops its first frame to match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from app.decoders.base import VAEDecoder
+from app.decoders.wan import tiling
+from app.timing import phase
+
+CARRY = 2  # frames a 3-tap causal conv keeps from the previous chunk
+
+
+@dataclass
+class Stream:
+    """The temporal state of one decode (of one tile): conv carries and first-chunk flags."""
+
+    carry: dict[nn.Module, Tensor] = field(default_factory=dict)
+    started: set[nn.Module] = field(default_factory=set)
+
+    def causal(self, conv: nn.Module, x: Tensor, frames: int) -> Tensor:
+        """``x`` preceded by the last ``frames`` frames before it (zeros at the start)."""
+        prev = self.carry.get(conv)
+        if prev is None:
+            prev = x.new_zeros(x.shape[:2] + (frames,) + x.shape[3:])
+        seq = torch.cat([prev, x], 2)
+        self.carry[conv] = seq[:, :, seq.shape[2] - frames :]
+        return seq
+
+    def first_call(self, module: nn.Module) -> bool:
+        """True exactly once per module: on the chunk that starts the stream."""
+        if module in self.started:
+            return False
+        self.started.add(module)
+        return True
+
+
+# --- layers -------------------------------------------------------------------------------
+class CausalConv3d(nn.Conv3d):
+    """Conv3d, zero-padded in space, causal in time (two zero frames, then the carry)."""
+
+    def __init__(self, cin: int, cout: int, kernel: int | tuple[int, int, int]) -> None:
+        k = (kernel,) * 3 if isinstance(kernel, int) else kernel
+        super().__init__(cin, cout, k, padding=(0, k[1] // 2, k[2] // 2))
+
+    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+        kt = self.kernel_size[0]
+        if kt > 1:
+            assert s is not None, "a temporal conv needs its stream"
+            x = s.causal(self, x, kt - 1)
+        return super().forward(x)
+
+
+class RMSNorm(nn.Module):
+    """x / ||x||_channels * sqrt(C) * gamma (diffusers' WanRMS_norm; no bias in Wan)."""
+
+    def __init__(self, dim: int, video: bool = True) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones((dim, 1, 1, 1) if video else (dim, 1, 1)))
+        self.scale = dim**0.5
+
+    def forward(self, x: Tensor) -> Tensor:
+        low = x.dtype in (torch.float16, torch.bfloat16)
+        normalized = F.normalize(x.float() if low else x, dim=1).to(x.dtype)
+        return normalized * self.scale * self.gamma
+
+
+class ResidualBlock(nn.Module):
+    """x' = shortcut(x) + conv2(silu(norm2(conv1(silu(norm1(x))))))."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cin)
+        self.conv1 = CausalConv3d(cin, cout, 3)
+        self.norm2 = RMSNorm(cout)
+        self.conv2 = CausalConv3d(cout, cout, 3)
+        self.conv_shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
+
+    def forward(self, x: Tensor, s: Stream) -> Tensor:
+        skip = self.conv_shortcut(x) if self.conv_shortcut is not None else x
+        h = self.conv1(F.silu(self.norm1(x)), s)
+        h = self.conv2(F.silu(self.norm2(h)), s)
+        return h + skip
+
+
+class AttentionBlock(nn.Module):
+    """Single-head self-attention over the pixels of each frame, residual."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim, video=False)
+        self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, c, t, h, w = x.shape
+        frames = x.transpose(1, 2).reshape(b * t, c, h, w)
+        qkv = self.to_qkv(self.norm(frames)).reshape(b * t, 1, c * 3, h * w).transpose(2, 3)
+        q, k, v = qkv.chunk(3, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v)  # [bt, 1, hw, c]
+        out = self.proj(out.squeeze(1).transpose(1, 2).reshape(b * t, c, h, w))
+        return x + out.view(b, t, c, h, w).transpose(1, 2)
+
+
+class Upsample2x(nn.Module):
+    """Nearest 2x in H and W (exact in every dtype: a copy of each pixel)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.repeat_interleave(2, dim=-2).repeat_interleave(2, dim=-1)
+
+
+class Upsampler(nn.Module):
+    """[time conv doubling frames,] then per frame nearest 2x + 3x3 conv (to ``cout``)."""
+
+    def __init__(self, dim: int, cout: int, temporal: bool) -> None:
+        super().__init__()
+        self.resample = nn.Sequential(Upsample2x(), nn.Conv2d(dim, cout, 3, padding=1))
+        self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1)) if temporal else None
+
+    def forward(self, x: Tensor, s: Stream) -> Tensor:
+        if self.time_conv is not None:
+            x = self._double_frames(x, s)
+        b, c, t, h, w = x.shape
+        y = self.resample(x.transpose(1, 2).reshape(b * t, c, h, w))
+        return y.view(b, t, *y.shape[1:]).transpose(1, 2)
+
+    def _double_frames(self, x: Tensor, s: Stream) -> Tensor:
+        """Each frame -> two (the time conv's two channel halves), except the stream's first."""
+        first = []
+        if s.first_call(self):
+            first, x = [x[:, :, :1]], x[:, :, 1:]
+        if x.shape[2]:
+            b, c, t, h, w = x.shape
+            y = self.time_conv(x, s).view(b, 2, c, t, h, w)
+            x = y.permute(0, 2, 3, 1, 4, 5).reshape(b, c, t * 2, h, w)
+            first.append(x)
+        return torch.cat(first, 2) if len(first) > 1 else first[0]
+
+
+def duplicate_up(x: Tensor, cout: int, factor_t: int) -> Tensor:
+    """Wan 2.2's parameter-free shortcut: repeat channels, then depth-to-space (t, 2, 2)."""
+    b, cin, t, h, w = x.shape
+    x = x.repeat_interleave(cout * factor_t * 4 // cin, dim=1)
+    x = x.view(b, cout, factor_t, 2, 2, t, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4)
+    return x.reshape(b, cout, t * factor_t, h * 2, w * 2)
+
+
+class MidBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([ResidualBlock(dim, dim), ResidualBlock(dim, dim)])
+        self.attentions = nn.ModuleList([AttentionBlock(dim)])
+
+    def forward(self, x: Tensor, s: Stream) -> Tensor:
+        x = self.resnets[0](x, s)
+        return self.resnets[1](self.attentions[0](x), s)
+
+
+class UpBlock(nn.Module):
+    """Wan 2.1 / Qwen-Image: resnets, then an upsampler that halves the channels."""
+
+    def __init__(self, cin: int, cout: int, layers: int, up: str | None) -> None:
+        super().__init__()
+        dims = [cin] + [cout] * layers
+        self.resnets = nn.ModuleList(
+            ResidualBlock(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True)
+        )
+        self.upsamplers = None
+        if up is not None:
+            self.upsamplers = nn.ModuleList([Upsampler(cout, cout // 2, up == "3d")])
+
+    def forward(self, x: Tensor, s: Stream) -> Tensor:
+        for resnet in self.resnets:
+            x = resnet(x, s)
+        return self.upsamplers[0](x, s) if self.upsamplers is not None else x
+
+
+class ResidualUpBlock(nn.Module):
+    """Wan 2.2: resnets and an upsampler (same width), plus the duplicate-up shortcut."""
+
+    def __init__(self, cin: int, cout: int, layers: int, up: str | None) -> None:
+        super().__init__()
+        dims = [cin] + [cout] * layers
+        self.resnets = nn.ModuleList(
+            ResidualBlock(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True)
+        )
+        self.upsampler = Upsampler(cout, cout, up == "3d") if up is not None else None
+        self.cout, self.factor_t = cout, 2 if up == "3d" else 1
+
+    def forward(self, x: Tensor, s: Stream) -> Tensor:
+        h = x
+        for resnet in self.resnets:
+            h = resnet(h, s)
+        if self.upsampler is None:
+            return h
+        h = self.upsampler(h, s)
+        skip = duplicate_up(x, self.cout, self.factor_t)
+        if s.first_call(self):  # the upsampler did not double the stream's first frame
+            skip = skip[:, :, self.factor_t - 1 :]
+        return h + skip
+
+
+# --- the decoder ----------------------------------------------------------------------------
+class WanDecoder(VAEDecoder):
+    """Wan 2.1 / 2.2 / Qwen-Image decoder behind the service's interface (``config``: the
+    diffusers ``AutoencoderKLWan`` names, see ``convert.py``)."""
+
+    family = "wan"
+    output_space = "signed"
+    is_video = True
+    supports_tiling = True
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        z, dim, mult = config["z_dim"], config["decoder_base_dim"], config["dim_mult"]
+        residual = bool(config.get("is_residual", False))
+        temporal = list(reversed(config["temperal_downsample"]))
+        layers = config["num_res_blocks"] + 1
+        self.patch = int(config.get("patch_size") or 1)
+        dims = [dim * m for m in [mult[-1], *reversed(mult)]]
+        self.post_quant_conv = CausalConv3d(z, z, 1)
+        self.conv_in = CausalConv3d(z, dims[0], 3)
+        self.mid_block = MidBlock(dims[0])
+        self.up_blocks = nn.ModuleList()
+        for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+            last = i == len(mult) - 1
+            up = None if last else ("3d" if temporal[i] else "2d")
+            if residual:
+                self.up_blocks.append(ResidualUpBlock(cin, cout, layers, up))
+            else:  # the previous upsampler halved the channels
+                self.up_blocks.append(UpBlock(cin // 2 if i else cin, cout, layers, up))
+        self.norm_out = RMSNorm(dims[-1])
+        # out_channels counts conv_out's channels: 3, or 12 to unpatchify 2x2 (Wan 2.2)
+        self.conv_out = CausalConv3d(dims[-1], config.get("out_channels", 3), 3)
+        self.upsamples = len(mult) - 1
+        self.temporal_ups = sum(bool(t) for t in temporal[: self.upsamples])
+        mean, std = config.get("latents_mean"), config.get("latents_std")
+        self.register_buffer("latents_mean", _stat(mean, z, 0.0), persistent=False)
+        self.register_buffer("latents_std", _stat(std, z, 1.0), persistent=False)
+
+    # --- geometry ---------------------------------------------------------------------------
+    @property
+    def latent_channels(self) -> int:
+        return self.config["z_dim"]
+
+    @property
+    def spatial_scale(self) -> int:
+        return 2**self.upsamples * self.patch
+
+    @property
+    def temporal_scale(self) -> int:
+        return 2**self.temporal_ups
+
+    def frames_out(self, latent_frames: int) -> int:
+        return 1 + self.temporal_scale * (latent_frames - 1)
+
+    def summary(self) -> dict[str, Any]:
+        return {**super().summary(), "variant": self.config.get("variant", "wan")}
+
+    def stages(self) -> list[tuple[str, nn.Module]]:
+        ups = [(f"up_{i}", block) for i, block in enumerate(self.up_blocks)]
+        return [
+            ("conv_in", self.conv_in),
+            ("mid", self.mid_block),
+            *ups,
+            ("conv_out", self.conv_out),
+        ]
+
+    def denormalize(self, z: Tensor) -> Tensor:
+        """``z * std + mean`` per channel (what Wan and Qwen-Image pipelines apply)."""
+        shape = (1, -1) + (1,) * (z.ndim - 2)
+        std, mean = self.latents_std.to(z).view(shape), self.latents_mean.to(z).view(shape)
+        return z * std + mean
+
+    # --- the architecture -------------------------------------------------------------------
+    def forward_stream(self, z: Tensor, s: Stream) -> Tensor:
+        """Latent frames -> output frames (patched, unclamped), continuing stream ``s``."""
+        x = self.conv_in(self.post_quant_conv(z), s)
+        x = self.mid_block(x, s)
+        for block in self.up_blocks:
+            x = block(x, s)
+        return self.conv_out(F.silu(self.norm_out(x)), s)
+
+    # --- decoding ---------------------------------------------------------------------------
+    def decode(self, z: Tensor, **options: Any) -> Tensor:
+        """What ``AutoencoderKLWan.decode`` (or ``AutoencoderKLQwenImage.decode``) returns; a
+        4-D latent is one frame and decodes to a 4-D image."""
+        image = z.ndim == 4
+        chunks = list(self.iter_decode(z.unsqueeze(2) if image else z, **options))
+        out = torch.cat(chunks, 2) if len(chunks) > 1 else chunks[0]
+        return out[:, :, 0] if image else out
+
+    def iter_decode(self, z: Tensor, **options: Any) -> Iterator[Tensor]:
+        """Output frames ``[B,3,t,H,W]`` in order, ``chunk_frames`` latent frames at a time.
+
+        Options: ``chunk_frames`` (default 2; 0 = the whole clip at once); ``tiled`` (None or
+        False: one pass, as diffusers decodes by default; True: diffusers' ``tiled_decode``
+        tiles and blend, when the latent is larger than one tile); ``tile_sample_size`` /
+        ``tile_sample_stride`` (pixels, diffusers' 256 / 192)."""
+        if z.ndim == 4:
+            z = z.unsqueeze(2)
+        weight = self.conv_in.weight
+        z = z.to(device=weight.device, dtype=weight.dtype)
+        step = int(options.get("chunk_frames", 2)) or z.shape[2]
+        grid = tiling.grid(self, z, options) if options.get("tiled") else None
+        streams = [Stream() for _ in (grid.tiles if grid else [None])]
+        for t0 in range(0, z.shape[2], step):
+            part = z[:, :, t0 : t0 + step]
+            if grid is None:
+                out = self.forward_stream(part, streams[0])
+            else:
+                outs = [self.forward_stream(part[..., ys, xs], st) for (ys, xs), st in
+                        zip(grid.tiles, streams, strict=True)]  # fmt: skip
+                with phase("blend"):
+                    out = grid.blend(outs)
+            out = unpatchify(out, self.patch)
+            # AutoencoderKLQwenImage.tiled_decode returns its blend unclamped ("tiled_clamp")
+            clamp = grid is None or self.config.get("tiled_clamp", True)
+            yield out.clamp(-1.0, 1.0) if clamp else out
+
+
+def unpatchify(x: Tensor, p: int) -> Tensor:
+    """[B, c*p*p, T, H, W] -> [B, c, T, pH, pW]; channel (c, column offset, row offset)."""
+    if p == 1:
+        return x
+    b, cpp, t, h, w = x.shape
+    x = x.view(b, cpp // (p * p), p, p, t, h, w).permute(0, 1, 4, 5, 3, 6, 2)
+    return x.reshape(b, cpp // (p * p), t, h * p, w * p)
+
+
+def _stat(values: list[float] | None, channels: int, default: float) -> Tensor:
+    if values is None:
+        return torch.full((channels,), default)
+    return torch.tensor(values, dtype=torch.float32)
