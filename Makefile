@@ -27,22 +27,22 @@ serve: $(STAMP)
 	PORT=$(PORT) $(PY) -m app serve --models-dir $(MODELS_DIR)
 
 # Test files whose path depends on the CPU (native bf16 or not): run again as if this CPU were
-# the other kind, so both branches are tested on any machine (app/fastpath.cpu_has_fast_bf16).
+# the other kind, so both branches are tested on any machine (app/runtime/device.cpu_has_fast_bf16).
 CPU_DEPENDENT_TESTS := tests/test_gate.py
 
 test: $(STAMP)
-	$(PY) -m ruff check app tests bench clients/python
+	$(PY) -m ruff check app tests bench scripts clients/python
 	$(PY) -m pytest -q
-	VAE_CPU_FAST_BF16=$$($(PY) -c 'from app.fastpath import cpu_has_fast_bf16 as f; print(int(not f()))') \
+	VAE_CPU_FAST_BF16=$$($(PY) -c 'from app.runtime.device import cpu_has_fast_bf16 as f; print(int(not f()))') \
 		$(PY) -m pytest -q $(CPU_DEPENDENT_TESTS)
 
 lint: $(STAMP)
-	$(PY) -m ruff check app tests bench clients/python
-	$(PY) -m ruff format --check app tests bench clients/python
+	$(PY) -m ruff check app tests bench scripts clients/python
+	$(PY) -m ruff format --check app tests bench scripts clients/python
 
 format: $(STAMP)
-	$(PY) -m ruff format app tests bench clients/python
-	$(PY) -m ruff check --fix app tests bench clients/python
+	$(PY) -m ruff format app tests bench scripts clients/python
+	$(PY) -m ruff check --fix app tests bench scripts clients/python
 
 bench: $(STAMP)
 	$(PY) -m bench flux --size 512
