@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -84,20 +85,25 @@ class Runtime:
         return self.scheduler.submit(job)
 
     def warm_up(self) -> None:
-        """Decode each ``VAE_WARMUP_SHAPES`` shape once on every model it fits, so cuDNN's
-        algorithm search and the allocator's growth happen before the first real request."""
+        """Decode each ``VAE_WARMUP_SHAPES`` shape once on every model it fits (compiling it
+        first where ``VAE_COMPILE`` allows), on the decode worker: cuDNN's algorithm search,
+        the allocator's growth and the per-thread handles are then paid before the first
+        request, not by it."""
         shapes = parse_shapes(self.settings.warmup_shapes)
         for model in self.registry.models.values():
             fitting = [s for s in shapes if _fits(model, s)]
             if fitting and self.settings.compile == "auto" and compiled.eligible(model):
-                compiled.compile_shapes(model, fitting, self.settings.parity_min_cos)
+                min_cos = self.settings.parity_min_cos
+                self.scheduler.call(partial(compiled.compile_shapes, model, fitting, min_cos))
             for shape in fitting:
-                latent = torch.zeros(shape)
                 timer = PhaseTimer()
-                self.runner.decode(model, latent, Scaling(), {}, Want.UINT8, timer)
-                log.info(
-                    "warmed up %s at %s in %.3f s", model.name, shape, sum(timer.phases().values())
+                latent = torch.zeros(shape)
+                decode = partial(
+                    self.runner.decode, model, latent, Scaling(), {}, Want.UINT8, timer
                 )
+                self.scheduler.call(decode)
+                seconds = sum(timer.phases().values())
+                log.info("warmed up %s at %s in %.3f s", model.name, shape, seconds)
 
     def _device_lost(self, reason: str) -> None:
         self.on_device_lost(reason)

@@ -83,6 +83,15 @@ class Job:
         )
 
 
+@dataclass
+class Call:
+    """Device work that is not a request (warm-up, compiles), run on the decode worker: the
+    thread whose cuDNN handles and algorithm caches the requests will use."""
+
+    fn: Callable[[], Any]
+    future: Future = field(default_factory=Future)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -97,9 +106,9 @@ class Scheduler:
         self.max_batch = max_batch
         self.on_device_lost = on_device_lost
         self.device_lost = ""  # why the device is unusable, once it is
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_depth)
+        self._queue: queue.Queue[Job | Call | None] = queue.Queue(maxsize=queue_depth)
         self._worker: threading.Thread | None = None
-        self._pending: Job | None = None  # a job taken off the queue that did not batch
+        self._pending: Job | Call | None = None  # a job taken off the queue that did not batch
         self._stopping = False
 
     @property
@@ -129,11 +138,21 @@ class Scheduler:
                 job = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
+            if isinstance(job, Call):
+                job.future.set_exception(exc)
+            elif job is not None:
                 fail(job, exc)
                 failed += 1
         self.metrics.queue_depth.set(0)
         return failed
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the decode worker and return its result (inline if none runs)."""
+        if self._worker is None or not self._worker.is_alive():
+            return fn()
+        item = Call(fn)
+        self._queue.put(item)
+        return item.future.result()
 
     def submit(self, job: Job) -> Future:
         if self._stopping:
@@ -154,6 +173,9 @@ class Scheduler:
             self._pending = None
             if job is None:
                 return
+            if isinstance(job, Call):
+                _run_call(job)
+                continue
             batch: list[Job] = [job]
             try:
                 batch = self._gather(job)
@@ -178,6 +200,7 @@ class Scheduler:
                 break
             if (
                 nxt is None
+                or isinstance(nxt, Call)
                 or nxt.channel is not None
                 or nxt.batch_key() != key
                 or rows + nxt.latent.shape[0] > self.max_batch
@@ -264,6 +287,13 @@ class Scheduler:
             self.fail_queued(DeviceLost(self.device_lost))
             self.on_device_lost(self.device_lost)
         return True
+
+
+def _run_call(call: Call) -> None:
+    try:
+        call.future.set_result(call.fn())
+    except Exception as exc:
+        call.future.set_exception(exc)
 
 
 def admit(job: Job, now: float) -> bool:
