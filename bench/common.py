@@ -101,3 +101,39 @@ def peak_rss_bytes() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def compare_outputs(rows: list[dict], outputs: dict, peer: str) -> None:
+    """Add each row's cosine and max-abs error against the ``peer`` variant's saved output."""
+    from app.decoders.ops import cosine
+
+    if peer not in outputs:
+        return
+    expected = torch.load(outputs[peer])
+    for row in rows:
+        if (path := outputs.get(row["variant"])) is not None:
+            got = torch.load(path)
+            row["cos"] = cosine(got, expected)
+            row["max_abs"] = (got - expected).abs().max().item()
+
+
+def print_report(rows: list[dict], flops: int, rates: dict, device: str, peer: str) -> None:
+    """One markdown row per variant: time, ratio to diffusers' best, FLOP rate, peak, parity."""
+    peers = [r for r in rows if r["variant"].startswith("diffusers")]
+    best = min(peers, key=lambda r: r["seconds"]) if peers else None
+    where = "CUDA max_memory_allocated" if device == "cuda" else "VmHWM above the loaded model"
+    print(
+        f"\n| variant | median s | vs {best['variant'] if best else '-'} | TFLOP/s "
+        f"| of GEMM rate | peak MiB ({where}) | cos vs {peer} | max-abs |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        dtype = torch.bfloat16 if "bf16" in r["variant"] else torch.float32
+        rate = flops / r["seconds"]
+        ratio = f"{best['seconds'] / r['seconds']:.2f}x" if best else "-"
+        cos = f"{r['cos']:.9f}" if "cos" in r else "- (not kept)"
+        err = f"{r['max_abs']:.1e}" if "max_abs" in r else "-"
+        print(
+            f"| {r['variant']} | {r['seconds']:.2f} | {ratio} | {rate / 1e12:.3f} "
+            f"| {rate / rates[dtype]:.0%} | {r['peak_bytes'] / 2**20:.0f} | {cos} | {err} |"
+        )

@@ -46,7 +46,6 @@ from diffusers import AutoencoderKLLTXVideo
 from app import video
 from app.decoders import ltx
 from app.decoders.ltx.model import DEFAULTS
-from app.decoders.ops import cosine
 from app.runtime import modes
 from bench import common
 
@@ -193,8 +192,8 @@ def run(args: argparse.Namespace) -> None:
                 f"  (build {result['build_s']:.0f} s)",
                 flush=True,
             )
-        _compare(rows, outputs)
-    _report(rows, flops, rates, args)
+        common.compare_outputs(rows, outputs, PEER)
+    common.print_report(rows, flops, rates, args.device, PEER)
 
 
 def count_flops(frames: int, size: int) -> int:
@@ -215,40 +214,6 @@ def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"variant {name!r} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _compare(rows: list[dict], outputs: dict[str, Path]) -> None:
-    if PEER not in outputs:
-        return
-    expected = torch.load(outputs[PEER])
-    for row in rows:
-        path = outputs.get(row["variant"])
-        if path is None:
-            continue
-        got = torch.load(path)
-        row["cos"] = cosine(got, expected)
-        row["max_abs"] = (got - expected).abs().max().item()
-
-
-def _report(rows: list[dict], flops: int, rates: dict, args: argparse.Namespace) -> None:
-    peers = [r for r in rows if r["variant"].startswith("diffusers")]
-    best = min(peers, key=lambda r: r["seconds"]) if peers else None
-    where = "CUDA max_memory_allocated" if args.device == "cuda" else "VmHWM above the loaded model"
-    print(
-        f"\n| variant | median s | vs {best['variant'] if best else '-'} | TFLOP/s | of GEMM rate "
-        f"| peak MiB ({where}) | cos vs {PEER} | max-abs |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        dtype = torch.bfloat16 if "bf16" in r["variant"] else torch.float32
-        rate = flops / r["seconds"]
-        ratio = f"{best['seconds'] / r['seconds']:.2f}x" if best else "-"
-        cos = f"{r['cos']:.9f}" if "cos" in r else "- (not kept)"
-        err = f"{r['max_abs']:.1e}" if "max_abs" in r else "-"
-        print(
-            f"| {r['variant']} | {r['seconds']:.2f} | {ratio} | {rate / 1e12:.3f} "
-            f"| {rate / rates[dtype]:.0%} | {r['peak_bytes'] / 2**20:.0f} | {cos} | {err} |"
-        )
 
 
 # --- one variant, in its own process --------------------------------------------------------

@@ -32,13 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from app.fastpath import Path as ServePath
-from app.fastpath import make_fast
 from diffusers import AutoencoderKLWan
 
 from app import video
 from app.decoders import wan
-from app.decoders.ops import cosine
+from app.runtime import modes
 from bench import common
 
 CONFIGS = {
@@ -108,13 +106,13 @@ def variants(variant: str, chunk: int) -> dict[str, Callable[[torch.device], Dec
 
     def service(dtype: torch.dtype, chunk_frames: int) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            model = make_fast(build_ours(variant), device, ServePath(dtype))
+            model = modes.build(build_ours(variant), device, modes.Mode(dtype))
             return lambda z: model.decode(z.to(device), chunk_frames=chunk_frames)
 
         return make
 
     def streamed(device: torch.device) -> Decode:
-        model = make_fast(build_ours(variant), device, ServePath(torch.float32))
+        model = modes.build(build_ours(variant), device, modes.Mode(torch.float32))
 
         def decode(z: torch.Tensor) -> None:
             for piece in model.iter_decode(z.to(device), chunk_frames=chunk):
@@ -175,8 +173,8 @@ def run(args: argparse.Namespace) -> None:
                 f"{result['peak_bytes'] / 2**20:7.0f} MiB",
                 flush=True,
             )
-        _compare(rows, outputs)
-    _report(rows, flops, rates, args)
+        common.compare_outputs(rows, outputs, PEER)
+    common.print_report(rows, flops, rates, args.device, PEER)
 
 
 def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
@@ -190,38 +188,6 @@ def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"variant {name!r} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _compare(rows: list[dict], outputs: dict[str, Path]) -> None:
-    if PEER not in outputs:
-        return
-    expected = torch.load(outputs[PEER])
-    for row in rows:
-        if (path := outputs.get(row["variant"])) is not None:
-            got = torch.load(path)
-            row["cos"] = cosine(got, expected)
-            row["max_abs"] = (got - expected).abs().max().item()
-
-
-def _report(rows: list[dict], flops: int, rates: dict, args: argparse.Namespace) -> None:
-    peers = [r for r in rows if r["variant"].startswith("diffusers")]
-    best = min(peers, key=lambda r: r["seconds"]) if peers else None
-    where = "CUDA max_memory_allocated" if args.device == "cuda" else "VmHWM above the model"
-    print(
-        f"\n| variant | median s | vs {best['variant'] if best else '-'} | TFLOP/s "
-        f"| of GEMM rate | peak MiB ({where}) | cos vs {PEER} | max-abs |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        dtype = torch.bfloat16 if "bf16" in r["variant"] else torch.float32
-        rate = flops / r["seconds"]
-        ratio = f"{best['seconds'] / r['seconds']:.2f}x" if best else "-"
-        cos = f"{r['cos']:.9f}" if "cos" in r else "- (not kept)"
-        err = f"{r['max_abs']:.1e}" if "max_abs" in r else "-"
-        print(
-            f"| {r['variant']} | {r['seconds']:.2f} | {ratio} | {rate / 1e12:.3f} "
-            f"| {rate / rates[dtype]:.0%} | {r['peak_bytes'] / 2**20:.0f} | {cos} | {err} |"
-        )
 
 
 # --- one variant, in its own process --------------------------------------------------------
