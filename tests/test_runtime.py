@@ -306,3 +306,40 @@ def test_warm_up_decodes_on_the_decode_worker_thread(store):
         faulty.Decoder.decode = served_decode
         runtime.stop()
     assert threads and threads[-1] == "decode-worker"
+
+
+def test_a_micro_batch_of_videos_gives_each_request_all_its_frames(store):
+    """Video frames come back flattened into rows ([B*T,...]): each request gets its T."""
+    with live_server(store, device="cpu", dtype="float32", max_batch=4) as url:
+        shape = [1, 4, 3, 4, 4]
+        worker = threading.Thread(target=post, args=(url, faulty.latent(faulty.HOLD, 0, 99)))
+        worker.start()
+        faulty.wait_for("the worker held", lambda: faulty.started(99))
+        results = {}
+
+        def call(tag: float) -> None:
+            results[tag] = requests.post(
+                f"{url}/decode/faulty-video",
+                data=faulty.latent(tag=tag, frames=3).numpy().tobytes(),
+                params={"shape": json.dumps(shape), "output_type": "pil"},
+                headers={"Content-Type": "tensor/binary", "Accept": "tensor/binary"},
+                timeout=30,
+            )
+
+        threads = [threading.Thread(target=call, args=(t,)) for t in (100.0, 101.0)]
+        for t in threads:
+            t.start()
+        faulty.wait_for("both queued", lambda: queue_depth(url) == 2)
+        faulty.release(99)
+        for t in [worker, *threads]:
+            t.join()
+        assert faulty.BATCHES[-1] == 2  # they did share one decode
+        for r in results.values():
+            assert r.status_code == 200 and json.loads(r.headers["shape"]) == [3, 3, 32, 32]
+
+
+def queue_depth(url: str) -> float:
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("vae_queue_depth"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

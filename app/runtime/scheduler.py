@@ -232,9 +232,11 @@ class Scheduler:
                 except Exception as one:
                     self._failed([job], one)
             return
+        # a video's frames come flattened into rows: each latent owns out.shape[0] / B of them
+        per_latent = out.shape[0] // sum(j.latent.shape[0] for j in batch)
         rows = 0
         for job in batch:
-            n = job.latent.shape[0]
+            n = job.latent.shape[0] * per_latent
             job.future.set_result(out[rows : rows + n])
             rows += n
 

@@ -150,7 +150,8 @@ def _read_file(path: Path) -> dict[str, Tensor]:
     """Tensors of a safetensors file, or of a pickled ``.pth``/``.pt`` read with
     ``weights_only=True`` (no code runs); a ``vae.``-style prefix is dropped."""
     if path.suffix in (".pth", ".pt", ".ckpt"):
-        loaded = torch.load(str(path), map_location="cpu", weights_only=True)
+        file = str(path)
+        loaded = torch.load(file, map_location="cpu", weights_only=True)
         loaded = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: a pickle of {type(loaded).__name__}, not a state dict")
