@@ -652,7 +652,18 @@ def test_every_panel_and_alert_against_a_live_prometheus(flux_server, prometheus
         f'sum(rate(vae_request_seconds_sum{{{sel}, code_class="2xx"}}[5m]))'
         f' / sum(rate(vae_request_seconds_count{{{sel}, code_class="2xx"}}[5m]))'
     )
-    assert 0 < stack <= mean_request * 1.001, (stack, mean_request)
+    # rate() extrapolates each series from its own first and last samples, and a series born
+    # between scrapes skews that: compare loosely here, exactly on the raw counters below
+    assert 0 < stack <= mean_request * 1.25, (stack, mean_request)
+    raw_stack = prom.value(
+        f"sum(vae_phase_seconds_sum{{{sel}}}) / "
+        f'sum(vae_request_seconds_count{{{sel}, code_class="2xx"}})'
+    )
+    raw_mean = prom.value(
+        f'sum(vae_request_seconds_sum{{{sel}, code_class="2xx"}})'
+        f' / sum(vae_request_seconds_count{{{sel}, code_class="2xx"}})'
+    )
+    assert 0 < raw_stack <= raw_mean * 1.001, (raw_stack, raw_mean)
     # the device gauge and the 4xx latency were scraped too
     assert prom.value(f'vae_device_memory_bytes{{job="{LIVE_JOB}", kind="allocated"}}') > 0
     assert prom.value(f'sum(vae_request_seconds_count{{job="{LIVE_JOB}", code_class="4xx"}})') > 0
