@@ -162,7 +162,8 @@ def ltx2_spec(config: dict[str, Any]) -> LTX2Spec:
     if mode not in PADDING_MODES:
         raise ValueError(f"decoder_spatial_padding_mode {mode!r}: one of {PADDING_MODES}")
     blocks = tuple(
-        replace(b, stride=UPSAMPLE_STRIDES[t]) for b, t in zip(base.blocks, types, strict=False)
+        replace(b, stride=UPSAMPLE_STRIDES[t] if b.upsample else (1, 1, 1))
+        for b, t in zip(base.blocks, types, strict=False)
     )
     values = {f.name: getattr(base, f.name) for f in fields(base)}
     return LTX2Spec(**{**values, "blocks": blocks}, padding_mode=mode)
