@@ -8,6 +8,7 @@ import importlib
 BENCHES = {
     "flux": "bench.flux",
     "ltx": "bench.ltx",
+    "ltx2": "bench.ltx2",
     "minimax-h3": "bench.minimax_h3",
     "taesd": "bench.taesd",
     "wan": "bench.wan",

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -176,14 +176,14 @@ class ResnetBlock(nn.Module):
     def __init__(self, cin: int, cout: int, spec: DecoderSpec, noise: bool, scale: int) -> None:
         super().__init__()
         self.norm1 = RMSNorm()
-        self.conv1 = CausalConv3d(cin, cout, 3, spec.causal)
+        self.conv1 = spec.conv(cin, cout, 3)
         self.norm2 = RMSNorm()
-        self.conv2 = CausalConv3d(cout, cout, 3, spec.causal)
+        self.conv2 = spec.conv(cout, cout, 3)
         self.nonlinearity = nn.SiLU()
         self.norm3 = self.conv_shortcut = None
         if cin != cout:
             self.norm3 = nn.LayerNorm(cin, eps=spec.eps)
-            self.conv_shortcut = CausalConv3d(cin, cout, 1, spec.causal)
+            self.conv_shortcut = spec.shortcut(cin, cout)
         self.per_channel_scale1 = self.per_channel_scale2 = None
         if noise:
             self.per_channel_scale1 = nn.Parameter(torch.zeros(cin, 1, 1))
@@ -257,10 +257,10 @@ class UpBlock(nn.Module):
         if b.cin != b.cout:
             self.conv_in = ResnetBlock(b.cin, b.cout, spec, b.noise, scale)
         self.upsamplers = None
+        self.time_stride = b.stride[0] if b.upsample else 1  # output frames per input frame
         if b.upsample:
-            up = Upsampler(b.cout * b.factor, spec.causal, b.residual, b.factor)
-            self.upsamplers = nn.ModuleList([up])
-            scale *= 2
+            self.upsamplers = nn.ModuleList([spec.upsampler(b)])
+            scale *= b.stride[1]
         self.resnets = nn.ModuleList(
             ResnetBlock(b.cout, b.cout, spec, b.noise, scale) for _ in range(b.layers)
         )
@@ -285,6 +285,7 @@ class BlockSpec:
     residual: bool
     factor: int
     noise: bool
+    stride: tuple[int, int, int] = (2, 2, 2)  # the upsampler's (T, H, W) factors
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,16 @@ class DecoderSpec:
     causal: bool
     timestep: bool
     eps: float
+
+    # the layers this spec builds (LTX-2's spec, in ltx2.py, builds its own)
+    def conv(self, cin: int, cout: int, kernel: int) -> nn.Module:
+        return CausalConv3d(cin, cout, kernel, self.causal)
+
+    def shortcut(self, cin: int, cout: int) -> nn.Module:
+        return CausalConv3d(cin, cout, 1, self.causal)
+
+    def upsampler(self, b: BlockSpec) -> nn.Module:
+        return Upsampler(b.cout * b.factor, self.causal, b.residual, b.factor)
 
 
 def decoder_spec(config: dict[str, Any]) -> DecoderSpec:
@@ -362,21 +373,30 @@ class Decoder(VAEDecoder):
     is_video = True
     supports_tiling = True  # blended spatial tiles: approximate, never on by default
 
+    defaults: ClassVar[dict[str, Any]] = DEFAULTS  # what a config may omit
+
+    def __new__(cls, config: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Decoder:
+        if cls is Decoder and config is not None and config.get("version") == "ltx2":
+            from app.decoders.ltx.ltx2 import LTX2Decoder
+
+            cls = LTX2Decoder
+        return super().__new__(cls)
+
     def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__({**DEFAULTS, **config})
-        spec = self.spec = decoder_spec(self.config)
-        self.conv_in = CausalConv3d(spec.latent_channels, spec.mid_channels, 3, spec.causal)
+        super().__init__({**self.defaults, **config})
+        spec = self.spec = self.make_spec(self.config)
+        self.conv_in = spec.conv(spec.latent_channels, spec.mid_channels, 3)
         self.mid_block = MidBlock(spec.mid_channels, spec)
         self.up_blocks = nn.ModuleList()
         scale = 1
         for b in spec.blocks:
             self.up_blocks.append(UpBlock(b, spec, scale))
-            scale *= 2 if b.upsample else 1
+            scale *= b.stride[1] if b.upsample else 1
         last = spec.blocks[-1].cout if spec.blocks else spec.mid_channels
         out = spec.out_channels * spec.patch**2
         self.norm_out = RMSNorm()
         self.conv_act = nn.SiLU()
-        self.conv_out = CausalConv3d(last, out, 3, spec.causal)
+        self.conv_out = spec.conv(last, out, 3)
         self.unpatchify = Unpatchify(spec.patch, spec.patch_t)
         self.time_embedder = self.scale_shift_table = self.timestep_scale_multiplier = None
         if spec.timestep:
@@ -384,6 +404,10 @@ class Decoder(VAEDecoder):
             self.time_embedder = TimeEmbedder(last * 2)
             self.scale_shift_table = nn.Parameter(torch.zeros(2, last))
         self._register_latent_stats()
+
+    @staticmethod
+    def make_spec(config: dict[str, Any]) -> DecoderSpec:
+        return decoder_spec(config)
 
     def _register_latent_stats(self) -> None:
         c = self.spec.latent_channels
@@ -397,20 +421,20 @@ class Decoder(VAEDecoder):
     def latent_channels(self) -> int:
         return self.spec.latent_channels
 
-    @property
-    def _ups(self) -> int:
-        return sum(b.upsample for b in self.spec.blocks)
+    def _upscale(self, axis: int) -> int:
+        """The upsamplers' product along ``axis`` (0: time, 1: height)."""
+        return math.prod(b.stride[axis] for b in self.spec.blocks if b.upsample)
 
     @property
     def spatial_scale(self) -> int:
-        return self.spec.patch * 2**self._ups
+        return self.spec.patch * self._upscale(1)
 
     @property
     def temporal_scale(self) -> int:
-        return self.spec.patch_t * 2**self._ups
+        return self.spec.patch_t * self._upscale(0)
 
     def frames_out(self, latent_frames: int) -> int:
-        return ((latent_frames - 1) * 2**self._ups + 1) * self.spec.patch_t
+        return ((latent_frames - 1) * self._upscale(0) + 1) * self.spec.patch_t
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -115,7 +115,7 @@ def _stages(decoder: Decoder) -> list[tuple[Stage, int]]:
     rate = 1
     for block in decoder.up_blocks:
         stages.append((block, rate))
-        rate *= 2 if block.upsamplers is not None else 1
+        rate *= block.time_stride
     stages.append((decoder.head, rate))
     return stages
 
