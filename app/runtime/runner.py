@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -117,6 +117,7 @@ class Runner:
         if latent.shape[0] > 1:
             self._note_retry(model, failed, "split")
             half = (latent.shape[0] + 1) // 2
+            attempt = replace(attempt, compiled=None)  # a graph is compiled for one shape
             parts = [
                 self._decode_ladder(model, part, attempt, scaling, options, want, timer, out_dtype)
                 for part in latent.split(half)
