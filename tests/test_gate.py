@@ -130,6 +130,7 @@ def test_fast_copy_keeps_latent_statistics_in_float32(tmp_path):
     "family,name",
     [
         ("ltx", "ltx-tiny"),
+        ("hunyuan-video", "hunyuan-video-tiny"),
         ("minimax-h3", "minimax-h3-tiny"),
         ("minimax-h3", "minimax-h3-image-tiny"),
     ],

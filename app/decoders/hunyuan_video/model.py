@@ -225,6 +225,11 @@ class HunyuanVideoDecoder(VAEDecoder):
             ("conv_out", self.conv_out),
         ]
 
+    def probe_latent(self, generator: torch.Generator) -> Tensor:
+        # two latent frames (5 output frames) of 8x8 cells exercise every layer, the causal
+        # attention across frames included; CPUs without bf16 kernels run 3-D convs slowly
+        return torch.randn((1, self.latent_channels, 2, 8, 8), generator=generator)
+
     def denormalize(self, z: Tensor) -> Tensor:
         """``z / scaling_factor`` (what HunyuanVideoPipeline applies before decoding)."""
         return z / self.config["scaling_factor"]
