@@ -209,9 +209,11 @@ class Scheduler:
                 except Exception as one:
                     self._failed([job], one)
             return
+        # rows per latent: 1, or a video's frames when they come back as [B*T,...] images
+        per = out.shape[0] // sum(job.latent.shape[0] for job in batch)
         rows = 0
         for job in batch:
-            n = job.latent.shape[0]
+            n = job.latent.shape[0] * per
             job.future.set_result(out[rows : rows + n])
             rows += n
 
