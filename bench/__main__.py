@@ -7,6 +7,7 @@ import importlib
 
 BENCHES = {
     "flux": "bench.flux",
+    "hunyuan-video": "bench.hunyuan_video",
     "ltx": "bench.ltx",
     "ltx2": "bench.ltx2",
     "minimax-h3": "bench.minimax_h3",

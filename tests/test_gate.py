@@ -131,6 +131,7 @@ def test_fast_copy_keeps_latent_statistics_in_float32(tmp_path):
     [
         ("ltx", "ltx-tiny"),
         ("ltx", "ltx2-tiny"),
+        ("hunyuan-video", "hunyuan-video-tiny"),
         ("minimax-h3", "minimax-h3-tiny"),
         ("minimax-h3", "minimax-h3-image-tiny"),
     ],

@@ -7,6 +7,7 @@ from types import ModuleType
 
 FAMILIES: dict[str, str] = {
     "flux": "app.decoders.flux",
+    "hunyuan-video": "app.decoders.hunyuan_video",
     "ltx": "app.decoders.ltx",
     "minimax-h3": "app.decoders.minimax_h3",
     "taesd": "app.decoders.taesd",

@@ -1,0 +1,272 @@
+"""HunyuanVideo VAE decoder: the service's decoder vs diffusers' AutoencoderKLHunyuanVideo.
+
+    python -m bench hunyuan-video [--frames 5] [--size 128] [--repeats 2] [--tiled]
+                                  [--threads N] [--only SUBSTR ...] [--force-bf16]
+                                  [--device cpu|cuda]
+
+The decoder is the released one (16 latent channels, widths 512/512/256/128, 3 resnets per
+up block, 32 norm groups, causal mid attention) with trained-like seeded weights
+(``hunyuan_video.init_synthetic``). diffusers' model holds the very same tensors (built on
+the meta device, ``load_state_dict(assign=True)``; no encoder). Both decode one seeded N(0,1)
+latent of ``frames`` latent frames at ``size`` pixels, as diffusers does by default (frame
+windows past 4 latent frames; ``--tiled``: spatial tiles too, ``enable_tiling()``'s).
+
+Each variant runs in a fresh subprocess and is timed and measured as in ``bench.wan``
+(median of ``--repeats`` after a warm-up; peak memory above the loaded model; output compared
+with diffusers fp32's). Variants: diffusers fp32, diffusers bf16; the service's decoder
+(``decode``), streamed (window by window, turned into uint8 frames and dropped, as the MP4
+path does: no cosine), and bf16 (what the gate serves on a bf16 device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLHunyuanVideo
+
+from app import video
+from app.decoders import hunyuan_video
+from app.decoders.ops import cosine
+from app.runtime import modes
+from bench import common
+
+CONFIG = {
+    **hunyuan_video.SYNTHETIC["hunyuan-video-tiny"],
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+}
+PEER = "diffusers fp32"
+Decode = Callable[[torch.Tensor], torch.Tensor | None]
+
+
+def build_ours(seed: int = 0) -> hunyuan_video.Decoder:
+    ours = hunyuan_video.Decoder(CONFIG)
+    hunyuan_video.init_synthetic(ours, torch.Generator().manual_seed(seed))
+    return ours.eval().requires_grad_(False)
+
+
+def build_peer(ours: hunyuan_video.Decoder) -> AutoencoderKLHunyuanVideo:
+    """diffusers' VAE holding ``ours``' tensors (shared), its encoder dropped."""
+    with torch.device("meta"):
+        ref = AutoencoderKLHunyuanVideo(
+            latent_channels=CONFIG["latent_channels"],
+            block_out_channels=CONFIG["block_out_channels"],
+            layers_per_block=CONFIG["layers_per_block"],
+            norm_num_groups=CONFIG["norm_num_groups"],
+        )
+    state = {("" if k.startswith("post_quant") else "decoder.") + k: v
+             for k, v in ours.state_dict().items()}  # fmt: skip
+    missing, unexpected = ref.load_state_dict(state, strict=False, assign=True)
+    assert not unexpected and all(k.startswith(("encoder.", "quant_conv.")) for k in missing)
+    del ref.encoder, ref.quant_conv
+    return ref.eval().requires_grad_(False)
+
+
+def latent(frames: int, size: int) -> torch.Tensor:
+    cells = size // CONFIG["spatial_compression_ratio"]
+    shape = (1, CONFIG["latent_channels"], frames, cells, cells)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(1))
+
+
+def options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"tiled": True} if args.tiled else {}
+
+
+def variants(args: argparse.Namespace) -> dict[str, Callable[[torch.device], Decode]]:
+    """name -> make(device) -> decode(z). Each is built in its own process."""
+
+    def peer(dtype: torch.dtype) -> Callable[[torch.device], Decode]:
+        def make(device: torch.device) -> Decode:
+            ref = build_peer(build_ours()).to(device=device, dtype=dtype)
+            if args.tiled:
+                ref.enable_tiling()
+            return lambda z: ref.decode(z.to(device, dtype)).sample
+
+        return make
+
+    def service(dtype: torch.dtype) -> Callable[[torch.device], Decode]:
+        def make(device: torch.device) -> Decode:
+            model = modes.build(build_ours(), device, modes.Mode(dtype))
+            return lambda z: model.decode(z.to(device), **options(args))
+
+        return make
+
+    def streamed(device: torch.device) -> Decode:
+        model = modes.build(build_ours(), device, modes.Mode(torch.float32))
+
+        def decode(z: torch.Tensor) -> None:
+            for piece in model.iter_decode(z.to(device), **options(args)):
+                video.to_uint8(model.to_unit(piece))  # what the MP4 path hands ffmpeg
+            return None
+
+        return decode
+
+    return {
+        PEER: peer(torch.float32),
+        "diffusers bf16": peer(torch.bfloat16),
+        "service": service(torch.float32),
+        "service streamed": streamed,
+        "service bf16": service(torch.bfloat16),
+    }
+
+
+# --- parent -------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child:
+        return _child(args)
+    device = torch.device(args.device)
+    print(f"machine: {common.machine()}")
+    rates = {d: common.gemm_rate(d, device) for d in (torch.float32, torch.bfloat16)}
+    print(", ".join(f"{str(d)[6:]} GEMM {r / 1e9:.0f} GFLOP/s" for d, r in rates.items()))
+    z = latent(args.frames, args.size)
+    with torch.device("meta"):
+        meta = hunyuan_video.Decoder(CONFIG)
+    flops = common.count_flops(lambda: meta.decode(z.to("meta"), **options(args)))
+    frames_out = meta.frames_out(args.frames)
+    print(
+        f"HunyuanVideo decoder, latent {list(z.shape)} -> {frames_out} frames of "
+        f"{args.size}x{args.size}: {flops / 1e12:.2f} TFLOP (meta-device count)"
+    )
+    slow_bf16 = rates[torch.bfloat16] < rates[torch.float32] / 4 and not args.force_bf16
+    if slow_bf16:
+        print("bf16 is emulated on this CPU: bf16 variants skipped (--force-bf16 runs them)")
+    names = [
+        n
+        for n in variants(args)
+        if not (args.only and not any(o in n for o in args.only))
+        and not (slow_bf16 and "bf16" in n)
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        outputs: dict[str, Path] = {}
+        for name in names:
+            out = Path(tmp) / f"{len(outputs)}.pt"
+            result = _spawn(args, name, out)
+            if out.exists():
+                outputs[name] = out
+            rows.append(result)
+            print(
+                f"  {name:26s} {result['seconds']:8.2f} s  peak "
+                f"{result['peak_bytes'] / 2**20:7.0f} MiB",
+                flush=True,
+            )
+        _compare(rows, outputs)
+    _report(rows, flops, rates, args)
+
+
+def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
+    command = [sys.executable, "-m", "bench", "hunyuan-video", "--child", name, "--out", str(out)]
+    command += ["--frames", str(args.frames)]
+    command += ["--size", str(args.size)] + (["--tiled"] if args.tiled else [])
+    command += ["--repeats", str(args.repeats), "--device", args.device]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"variant {name!r} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _compare(rows: list[dict], outputs: dict[str, Path]) -> None:
+    if PEER not in outputs:
+        return
+    expected = torch.load(outputs[PEER])
+    for row in rows:
+        if (path := outputs.get(row["variant"])) is not None:
+            got = torch.load(path)
+            row["cos"] = cosine(got, expected)
+            row["max_abs"] = (got - expected).abs().max().item()
+
+
+def _report(rows: list[dict], flops: int, rates: dict, args: argparse.Namespace) -> None:
+    peers = [r for r in rows if r["variant"].startswith("diffusers")]
+    best = min(peers, key=lambda r: r["seconds"]) if peers else None
+    where = "CUDA max_memory_allocated" if args.device == "cuda" else "VmHWM above the model"
+    print(
+        f"\n| variant | median s | vs {best['variant'] if best else '-'} | TFLOP/s "
+        f"| of GEMM rate | peak MiB ({where}) | cos vs {PEER} | max-abs |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        dtype = torch.bfloat16 if "bf16" in r["variant"] else torch.float32
+        rate = flops / r["seconds"]
+        ratio = f"{best['seconds'] / r['seconds']:.2f}x" if best else "-"
+        cos = f"{r['cos']:.9f}" if "cos" in r else "- (not kept)"
+        err = f"{r['max_abs']:.1e}" if "max_abs" in r else "-"
+        print(
+            f"| {r['variant']} | {r['seconds']:.2f} | {ratio} | {rate / 1e12:.3f} "
+            f"| {rate / rates[dtype]:.0%} | {r['peak_bytes'] / 2**20:.0f} | {cos} | {err} |"
+        )
+
+
+# --- one variant, in its own process --------------------------------------------------------
+@torch.inference_mode()
+def _child(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    decode = variants(args)[args.child](device)
+    build_s = time.perf_counter() - t0
+    decode(
+        torch.randn(1, CONFIG["latent_channels"], 1, 2, 2)
+    )  # lazily created state, outside the timing
+    z = latent(args.frames, args.size)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        common.reset_peak_rss()
+        base = common.rss_bytes()
+    times, out = [], None
+    for _ in range(args.repeats):
+        out = None
+        t1 = time.perf_counter()
+        out = decode(z)
+        common.sync(device)
+        times.append(time.perf_counter() - t1)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = common.peak_rss_bytes() - base
+    if out is not None:
+        torch.save(out.float().cpu(), args.out)
+    result = {
+        "variant": args.child,
+        "seconds": statistics.median(times),
+        "times": times,
+        "peak_bytes": peak,
+        "build_s": build_s,
+    }
+    print(json.dumps(result))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--frames", type=int, default=5, help="latent frames (default 5: 2 windows)"
+    )
+    parser.add_argument("--size", type=int, default=256, help="output pixels per side")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tiled", action="store_true", help="spatial tiles (enable_tiling)")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", nargs="*", help="substrings of variant names to run")
+    parser.add_argument("--force-bf16", action="store_true", help="run bf16 even when slow")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+
+
+if __name__ == "__main__":
+    sys.exit("run as: python -m bench hunyuan-video ...")
