@@ -36,7 +36,6 @@ from diffusers import AutoencoderKLHunyuanVideo
 
 from app import video
 from app.decoders import hunyuan_video
-from app.decoders.ops import cosine
 from app.runtime import modes
 from bench import common
 
@@ -163,8 +162,8 @@ def run(args: argparse.Namespace) -> None:
                 f"{result['peak_bytes'] / 2**20:7.0f} MiB",
                 flush=True,
             )
-        _compare(rows, outputs)
-    _report(rows, flops, rates, args)
+        common.compare_outputs(rows, outputs, PEER)
+    common.print_report(rows, flops, rates, args.device, PEER)
 
 
 def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
@@ -178,38 +177,6 @@ def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"variant {name!r} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _compare(rows: list[dict], outputs: dict[str, Path]) -> None:
-    if PEER not in outputs:
-        return
-    expected = torch.load(outputs[PEER])
-    for row in rows:
-        if (path := outputs.get(row["variant"])) is not None:
-            got = torch.load(path)
-            row["cos"] = cosine(got, expected)
-            row["max_abs"] = (got - expected).abs().max().item()
-
-
-def _report(rows: list[dict], flops: int, rates: dict, args: argparse.Namespace) -> None:
-    peers = [r for r in rows if r["variant"].startswith("diffusers")]
-    best = min(peers, key=lambda r: r["seconds"]) if peers else None
-    where = "CUDA max_memory_allocated" if args.device == "cuda" else "VmHWM above the model"
-    print(
-        f"\n| variant | median s | vs {best['variant'] if best else '-'} | TFLOP/s "
-        f"| of GEMM rate | peak MiB ({where}) | cos vs {PEER} | max-abs |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        dtype = torch.bfloat16 if "bf16" in r["variant"] else torch.float32
-        rate = flops / r["seconds"]
-        ratio = f"{best['seconds'] / r['seconds']:.2f}x" if best else "-"
-        cos = f"{r['cos']:.9f}" if "cos" in r else "- (not kept)"
-        err = f"{r['max_abs']:.1e}" if "max_abs" in r else "-"
-        print(
-            f"| {r['variant']} | {r['seconds']:.2f} | {ratio} | {rate / 1e12:.3f} "
-            f"| {rate / rates[dtype]:.0%} | {r['peak_bytes'] / 2**20:.0f} | {cos} | {err} |"
-        )
 
 
 # --- one variant, in its own process --------------------------------------------------------

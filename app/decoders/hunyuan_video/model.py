@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from app.decoders.base import VAEDecoder
 from app.decoders.hunyuan_video import tiling
+from app.decoders.tiling import Grid, blend_edge
 from app.timing import phase
 
 EPS = 1e-6  # every GroupNorm of the decoder
@@ -277,11 +278,11 @@ class HunyuanVideoDecoder(VAEDecoder):
                 out = out[:, :, 1:]
             if tail is not None:
                 with phase("blend"):
-                    tiling.blend_edge(tail, out, plan.blend, dim=2)
+                    blend_edge(tail, out, plan.blend, dim=2)
             tail = out[:, :, max(0, out.shape[2] - plan.blend) :]
             yield out[:, :, : window.keep]
 
-    def _decode_window(self, z: Tensor, grid: tiling.Grid | None) -> Tensor:
+    def _decode_window(self, z: Tensor, grid: Grid | None) -> Tensor:
         """One pass over a window of latent frames, in spatial tiles where ``grid`` says."""
         if grid is None:
             return self(z)

@@ -23,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
+
+from app.decoders.tiling import Grid
 
 if TYPE_CHECKING:
     from app.decoders.hunyuan_video.model import HunyuanVideoDecoder
@@ -71,30 +72,6 @@ def windows(decoder: HunyuanVideoDecoder, frames: int, options: dict[str, Any]) 
 
 
 # --- spatial tiles ------------------------------------------------------------------------------
-@dataclass
-class Grid:
-    tiles: list[tuple[slice, slice]]  # latent (rows, columns) of each tile, in raster order
-    columns: int
-    stride: int  # output pixels each tile keeps
-    blend_extent: int  # output pixels blended across a seam
-    out_hw: tuple[int, int]  # the whole frame
-
-    def blend(self, outs: list[Tensor]) -> Tensor:
-        """Tile outputs (raster order) -> the frames; tiles are blended in place."""
-        rows = [outs[i : i + self.columns] for i in range(0, len(outs), self.columns)]
-        kept_rows = []
-        for i, row in enumerate(rows):
-            kept = []
-            for j, tile in enumerate(row):
-                if i > 0:
-                    blend_edge(rows[i - 1][j], tile, self.blend_extent, dim=-2)
-                if j > 0:
-                    blend_edge(row[j - 1], tile, self.blend_extent, dim=-1)
-                kept.append(tile[..., : self.stride, : self.stride])
-            kept_rows.append(torch.cat(kept, dim=-1))
-        return torch.cat(kept_rows, dim=-2)[..., : self.out_hw[0], : self.out_hw[1]]
-
-
 def grid(decoder: HunyuanVideoDecoder, z: Tensor, options: dict[str, Any]) -> Grid | None:
     """The reference's tiles for latent ``z``; None when it fits in one tile (not tiled)."""
     size = int(options.get("tile_sample_size") or DEFAULT_TILE_SAMPLE_SIZE)
@@ -112,18 +89,3 @@ def grid(decoder: HunyuanVideoDecoder, z: Tensor, options: dict[str, Any]) -> Gr
         blend_extent=size - stride,
         out_hw=(h * ratio, w * ratio),
     )
-
-
-def blend_edge(prev: Tensor, tile: Tensor, extent: int, dim: int) -> None:
-    """Ramp ``tile``'s first ``extent`` entries along ``dim`` (frames, rows or columns) from
-    ``prev``'s last ones, in place: out[y] = prev[-e + y] * (1 - y/e) + tile[y] * (y/e)."""
-    extent = min(prev.shape[dim], tile.shape[dim], extent)
-    if extent <= 0:
-        return
-    ramp = torch.arange(extent, dtype=torch.float64) / extent
-    shape = (-1,) + (1,) * (tile.ndim - 1 - (dim % tile.ndim))
-    rise = ramp.to(tile.dtype).to(tile.device).view(shape)
-    fall = (1 - ramp).to(tile.dtype).to(tile.device).view(shape)
-    head = tile.narrow(dim, 0, extent)
-    tail = prev.narrow(dim, prev.shape[dim] - extent, extent)
-    head.copy_(tail * fall + head * rise)

@@ -11,41 +11,17 @@ patched (pre-unpatchify) space, as the reference does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import Tensor
+
+from app.decoders.tiling import Grid
 
 if TYPE_CHECKING:
     from app.decoders.wan.model import WanDecoder
 
 DEFAULT_TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
 DEFAULT_TILE_SAMPLE_STRIDE = 192  # diffusers' tile_sample_stride_height / _width
-
-
-@dataclass
-class Grid:
-    tiles: list[tuple[slice, slice]]  # latent (rows, columns) of each tile, in raster order
-    columns: int
-    stride: int  # output pixels each tile keeps (patched space)
-    blend_extent: int  # output pixels blended across a seam (patched space)
-    out_hw: tuple[int, int]  # the whole frame (patched space)
-
-    def blend(self, outs: list[Tensor]) -> Tensor:
-        """Tile outputs (raster order) -> the frame; tiles are blended in place."""
-        rows = [outs[i : i + self.columns] for i in range(0, len(outs), self.columns)]
-        kept_rows = []
-        for i, row in enumerate(rows):
-            kept = []
-            for j, tile in enumerate(row):
-                if i > 0:
-                    _blend_edge(rows[i - 1][j], tile, self.blend_extent, dim=-2)
-                if j > 0:
-                    _blend_edge(row[j - 1], tile, self.blend_extent, dim=-1)
-                kept.append(tile[..., : self.stride, : self.stride])
-            kept_rows.append(torch.cat(kept, dim=-1))
-        return torch.cat(kept_rows, dim=-2)[..., : self.out_hw[0], : self.out_hw[1]]
 
 
 def grid(decoder: WanDecoder, z: Tensor, options: dict[str, Any]) -> Grid | None:
@@ -66,18 +42,3 @@ def grid(decoder: WanDecoder, z: Tensor, options: dict[str, Any]) -> Grid | None
         blend_extent=size // patch - stride // patch,
         out_hw=(h * ratio // patch, w * ratio // patch),
     )
-
-
-def _blend_edge(prev: Tensor, tile: Tensor, extent: int, dim: int) -> None:
-    """Ramp ``tile``'s first ``extent`` rows (dim -2) or columns (dim -1) from ``prev``'s last
-    ones, in place: out[y] = prev[-e + y] * (1 - y/e) + tile[y] * (y/e)."""
-    extent = min(prev.shape[dim], tile.shape[dim], extent)
-    if extent <= 0:
-        return
-    ramp = torch.arange(extent, dtype=torch.float64) / extent
-    shape = (-1, 1) if dim == -2 else (-1,)
-    rise = ramp.to(tile.dtype).to(tile.device).view(shape)
-    fall = (1 - ramp).to(tile.dtype).to(tile.device).view(shape)
-    head = tile.narrow(dim, 0, extent)
-    tail = prev.narrow(dim, prev.shape[dim] - extent, extent)
-    head.copy_(tail * fall + head * rise)
