@@ -1,4 +1,4 @@
-"""The HTTP service: FastAPI routes over the engine.
+"""The HTTP service: FastAPI routes over the runtime.
 
 request -> parse + validate (protocol) -> bounded queue -> decode worker -> encode -> response
 """
@@ -128,28 +128,28 @@ class ClientGone(Exception):
 def create_app(settings: Settings | None = None, *, load_in_background: bool = True) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
-    engine = Runtime(settings, metrics)
+    runtime = Runtime(settings, metrics)
     drain = Drain(settings.drain_grace_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        engine.start()
+        runtime.start()
         restore = route_sigterm(drain)
         if threading.current_thread() is threading.main_thread():
             # a sticky device error: drain (queued requests get 503) and exit, so the
             # platform replaces this instance
-            engine.on_device_lost = lambda reason: os.kill(os.getpid(), signal.SIGTERM)
+            runtime.on_device_lost = lambda reason: os.kill(os.getpid(), signal.SIGTERM)
         if load_in_background:
-            threading.Thread(target=engine.load_all, name="model-loader", daemon=True).start()
+            threading.Thread(target=runtime.load_all, name="model-loader", daemon=True).start()
         else:
-            engine.load_all()
+            runtime.load_all()
         yield
         restore()
         # After a drain that ran out, the worker may still be decoding work already answered
         # 503: do not hold the exit for it.
-        engine.stop(timeout=0.5 if drain.expired.is_set() else 10.0)
+        runtime.stop(timeout=0.5 if drain.expired.is_set() else 10.0)
 
     app = FastAPI(
         title="VAE render service",
@@ -157,7 +157,7 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
         summary="Latents in, pixels out: resident VAE decoders behind remote_decode's protocol.",
         lifespan=lifespan,
     )
-    app.state.runtime, app.state.metrics, app.state.settings = engine, metrics, settings
+    app.state.runtime, app.state.metrics, app.state.settings = runtime, metrics, settings
     app.state.drain = drain
     app.router.redirect_slashes = False  # Starlette's builds Location from Host: see http_error
     # the last added is the outermost: the envelope also wraps auth's 401s
@@ -166,7 +166,7 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
     )
     app.add_middleware(Envelope)
     _install_error_handlers(app)
-    _install_routes(app, engine, metrics, settings, drain)
+    _install_routes(app, runtime, metrics, settings, drain)
     return app
 
 
@@ -259,7 +259,7 @@ def _without_trailing_slash(app: FastAPI, scope: Scope) -> str | None:
 
 
 def _install_routes(
-    app: FastAPI, engine: Runtime, metrics: Metrics, settings: Settings, drain: Drain
+    app: FastAPI, runtime: Runtime, metrics: Metrics, settings: Settings, drain: Drain
 ) -> None:
     @app.get("/healthz", summary="Process alive")
     @app.head("/healthz", include_in_schema=False)  # load balancers probe with HEAD too
@@ -269,18 +269,18 @@ def _install_routes(
     @app.get("/readyz", summary="200 once every model is resident and gated")
     @app.head("/readyz", include_in_schema=False)
     async def readyz() -> JSONResponse:
-        ready = engine.ready and not drain.draining
-        body = {"ready": ready, "models": sorted(engine.models), "errors": engine.errors}
+        ready = runtime.ready and not drain.draining
+        body = {"ready": ready, "models": sorted(runtime.models), "errors": runtime.errors}
         if drain.draining:
             body["reason"] = "draining: the service is shutting down"
-        elif engine.loading:
+        elif runtime.loading:
             body["reason"] = "loading models and running parity gates"
-        elif engine.device_lost:
-            body["reason"] = f"device lost: {engine.device_lost}"
-        elif engine.worker_died:
+        elif runtime.device_lost:
+            body["reason"] = f"device lost: {runtime.device_lost}"
+        elif runtime.worker_died:
             body["reason"] = "the decode worker has stopped"
-        elif engine.errors:
-            body["reason"] = "; ".join(f"{k}: {v}" for k, v in engine.errors.items())
+        elif runtime.errors:
+            body["reason"] = "; ".join(f"{k}: {v}" for k, v in runtime.errors.items())
         elif not ready:
             body["reason"] = "no model"
         return JSONResponse(body, status_code=200 if ready else 503)
@@ -288,9 +288,9 @@ def _install_routes(
     @app.get("/models", summary="Each model: family, config, device, dtype, parity, fallback")
     async def models() -> dict[str, Any]:
         return {
-            "models": [m.describe() for m in engine.models.values()],
-            "errors": engine.errors,
-            "loading": engine.loading,
+            "models": [m.describe() for m in runtime.models.values()],
+            "errors": runtime.errors,
+            "loading": runtime.loading,
             "default": settings.default_model,
         }
 
@@ -302,11 +302,11 @@ def _install_routes(
         "/decode/{model}", summary="Decode one latent (batch allowed)", openapi_extra=BODY_DOC
     )
     async def decode_named(model: str, request: Request) -> Response:
-        return await _handle_decode(request, model, engine, metrics, settings, drain)
+        return await _handle_decode(request, model, runtime, metrics, settings, drain)
 
     @app.post("/decode", summary="Decode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=BODY_DOC)
     async def decode_default(request: Request) -> Response:
-        return await _handle_decode(request, None, engine, metrics, settings, drain)
+        return await _handle_decode(request, None, runtime, metrics, settings, drain)
 
 
 async def _read_body(request: Request, limit: int, timeout_s: float) -> bytes:
@@ -339,30 +339,30 @@ def _deadline(request: Request, params: DecodeParams, settings: Settings) -> flo
 
 
 def _resolve_model(
-    name: str | None, params: DecodeParams, engine: Runtime, settings: Settings
+    name: str | None, params: DecodeParams, runtime: Runtime, settings: Settings
 ) -> ServedModel:
     name = name or params.model or settings.default_model
-    if name is None and len(engine.models) == 1:
-        name = next(iter(engine.models))
+    if name is None and len(runtime.models) == 1:
+        name = next(iter(runtime.models))
     if name is None:
         raise ProtocolError(
             400, "no model named", "POST /decode/{model}, ?model=, or set VAE_DEFAULT_MODEL"
         )
     if not NAME_RE.fullmatch(name):
         raise ProtocolError(404, "invalid model name", "letters, digits, '.', '_', '-'")
-    if name in engine.models:
-        return engine.models[name]
-    if engine.loading:
+    if name in runtime.models:
+        return runtime.models[name]
+    if runtime.loading:
         raise ProtocolError(503, f"model {name!r} is still loading")
-    if name in engine.errors:
-        raise ProtocolError(503, f"model {name!r} is not served: {engine.errors[name]}")
-    raise ProtocolError(404, f"model {name!r} not found", ", ".join(sorted(engine.models)))
+    if name in runtime.errors:
+        raise ProtocolError(503, f"model {name!r} is not served: {runtime.errors[name]}")
+    raise ProtocolError(404, f"model {name!r} not found", ", ".join(sorted(runtime.models)))
 
 
 async def _handle_decode(
     request: Request,
     name: str | None,
-    engine: Runtime,
+    runtime: Runtime,
     metrics: Metrics,
     settings: Settings,
     drain: Drain,
@@ -371,14 +371,14 @@ async def _handle_decode(
     timer = PhaseTimer()
     drain.active += 1
     try:
-        response = await _answer(request, name, engine, settings, drain, timer)
+        response = await _answer(request, name, runtime, settings, drain, timer)
     except BaseException:  # cancelled by a hard shutdown: still account for it
         drain.active -= 1
         raise
     response.headers["Server-Timing"] = _server_timing(
         timer.phases(), time.perf_counter() - started
     )
-    finish = _finisher(request, response, name, engine, metrics, drain, timer, started)
+    finish = _finisher(request, response, name, runtime, metrics, drain, timer, started)
     if isinstance(response, JobStream):
         response.on_close = finish
     else:
@@ -389,7 +389,7 @@ async def _handle_decode(
 async def _answer(
     request: Request,
     name: str | None,
-    engine: Runtime,
+    runtime: Runtime,
     settings: Settings,
     drain: Drain,
     timer: PhaseTimer,
@@ -398,7 +398,7 @@ async def _answer(
     try:
         if drain.draining:
             raise ProtocolError(503, "the service is shutting down", "retry: another instance")
-        return await _decode(request, name, engine, settings, timer)
+        return await _decode(request, name, runtime, settings, timer)
     except ProtocolError as exc:
         headers = {"Retry-After": str(settings.retry_after_s)} if exc.status in (429, 503) else {}
         if drain.draining:
@@ -415,7 +415,7 @@ def _finisher(
     request: Request,
     response: Response,
     name: str | None,
-    engine: Runtime,
+    runtime: Runtime,
     metrics: Metrics,
     drain: Drain,
     timer: PhaseTimer,
@@ -434,7 +434,7 @@ def _finisher(
         done = True
         drain.active -= 1
         elapsed, phases = time.perf_counter() - started, timer.phases()
-        served = engine.models.get(model_label)
+        served = runtime.models.get(model_label)
         model_seen = model_label if served else "-"
         if code < 400 and served is not None:
             metrics.observe_phases(model_label, served.serving_device, phases)
@@ -465,12 +465,12 @@ def _finisher(
 
 
 async def _decode(
-    request: Request, name: str | None, engine: Runtime, settings: Settings, timer: PhaseTimer
+    request: Request, name: str | None, runtime: Runtime, settings: Settings, timer: PhaseTimer
 ) -> Response:
     with timer.phase("parse"):
         params = parse_params(list(request.query_params.multi_items()))
         deadline = _deadline(request, params, settings)
-        model = _resolve_model(name, params, engine, settings)
+        model = _resolve_model(name, params, runtime, settings)
         limits = model.limits(settings.limits())
         content_type = request.headers.get("content-type")
         check_content_encoding(request.headers.get("content-encoding"))
@@ -485,7 +485,7 @@ async def _decode(
     if kind == "mp4":
         job.channel = FrameChannel(settings.stream_buffer_mb << 20, settings.stream_wait_s)
     try:
-        engine.submit(job)
+        runtime.submit(job)
     except QueueFull:
         raise ProtocolError(
             429, "decode queue is full", "retry after Retry-After seconds"

@@ -358,8 +358,21 @@ def test_no_pickle_on_the_request_or_load_path():
         text = path.read_text()
         assert "import pickle" not in text and "allow_pickle=True" not in text, path
         assert "np.load(" not in text, path
-        for call in re.findall(r"torch\.load\([^)]*\)", text):
+        for call in _calls(text, "torch.load("):
             assert "weights_only=True" in call, (path, call)
+
+
+def _calls(text: str, opening: str) -> list[str]:
+    """The full text of each call ``opening...)``, nested parentheses included."""
+    calls = []
+    for match in re.finditer(re.escape(opening), text):
+        depth, end = 0, match.start()
+        for end in range(match.end() - 1, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        calls.append(text[match.start() : end + 1])
+    return calls
 
 
 # --- broken stores -------------------------------------------------------------------------
@@ -406,11 +419,11 @@ def test_broken_models_are_named_and_the_others_serve(broken_store):
 
 def test_without_hash_checks_corruption_is_still_named_and_ready_can_be_partial(broken_store):
     settings = dict(dtype="float32", ready_partial=True, verify_weights=False)
-    engine = Runtime(Settings(models_dir=broken_store, **settings), Metrics())
-    engine.load_all()
-    assert engine.ready and set(engine.models) == {"good", "badsha"}
-    assert set(engine.errors) == {"truncated", "noweights", "garbled"}
-    assert "cannot load" in engine.errors["truncated"]
+    runtime = Runtime(Settings(models_dir=broken_store, **settings), Metrics())
+    runtime.load_all()
+    assert runtime.ready and set(runtime.models) == {"good", "badsha"}
+    assert set(runtime.errors) == {"truncated", "noweights", "garbled"}
+    assert "cannot load" in runtime.errors["truncated"]
 
 
 # --- security -------------------------------------------------------------------------------

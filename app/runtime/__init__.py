@@ -70,7 +70,7 @@ class Runtime:
         """Load and gate every model, then warm up the configured shapes."""
         self.registry.loading = True
         try:
-            self.registry._load_all()
+            self.registry.load_all()
             self.warm_up()
         finally:
             self.registry.loading = False

@@ -104,13 +104,8 @@ class Registry:
         self.device = torch.device("cpu")
 
     def load_all(self) -> None:
-        """Load every configured store entry and run its gate (a failing one is reported)."""
-        try:
-            self._load_all()
-        finally:
-            self.loading = False
-
-    def _load_all(self) -> None:
+        """Load every configured store entry and run its gate (a failing one is reported).
+        ``loading`` stays True: the runtime clears it once the warm-up is done too."""
         store = Path(self.settings.models_dir)
         names = self.settings.model_names() or list_models(store)
         if not names:
