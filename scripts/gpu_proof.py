@@ -546,6 +546,7 @@ class _server:
             except requests.ConnectionError:
                 pass
             time.sleep(0.2)
+        self.__exit__()  # a server that never got ready must not outlive the proof
         raise RuntimeError(f"service not ready:\n{self.log.read_text()[-3000:]}")
 
     def startup_lines(self) -> list[str]:
