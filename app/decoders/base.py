@@ -42,6 +42,7 @@ class VAEDecoder(nn.Module, ABC):
     # True when ``decode`` takes ``tiled``: None = the family's own default, True = decode in
     # tiles/bands (less memory, the out-of-memory retry), False = never tile.
     supports_tiling: ClassVar[bool] = False
+    exact_tiling: ClassVar[bool] = False  # tiled=True computes the same function (FLUX's bands)
     # Modules whose parameters stay float32 on a bf16/fp16 copy (name prefixes), where the
     # architecture computes them in float32 (as diffusers' ``_keep_in_fp32_modules``).
     keep_float32: ClassVar[tuple[str, ...]] = ()

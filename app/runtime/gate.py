@@ -62,6 +62,8 @@ class Probes:
         self._expected: dict[str, Tensor] = {}
 
     def expected(self, name: str) -> Tensor:
+        if name == "tiled" and self.reference.exact_tiling:
+            name = "plain"  # the same function: one float32 CPU decode fewer at startup
         if name not in self._expected:
             z, options = self.inputs(name, self.reference)
             self._expected[name] = self.reference.decode(z, **options)

@@ -134,6 +134,7 @@ class Decoder(VAEDecoder):
     output_space = "signed"
     channels_last = True
     supports_tiling = True  # row bands (fast.decode_banded): exact, less memory
+    exact_tiling = True
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**FLUX1_CONFIG, **config})
