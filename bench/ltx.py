@@ -99,12 +99,15 @@ def latent(frames: int, size: int) -> torch.Tensor:
     return torch.randn((1, 128, frames, cells, cells), generator=torch.Generator().manual_seed(1))
 
 
-def variants(chunk: int) -> dict[str, Callable[[torch.device], Decode]]:
-    """name -> make(device) -> decode(z). Each is built in its own process."""
+def variants(
+    chunk: int, build: Callable[[], ltx.Decoder] = build_ours
+) -> dict[str, Callable[[torch.device], Decode]]:
+    """name -> make(device) -> decode(z). Each is built in its own process (``build``: the
+    exact decoder they start from; ``bench.table`` passes one it built once)."""
 
     def peer(dtype: torch.dtype, channels_last: bool) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            ref = build_peer(build_ours()).to(device=device, dtype=dtype)
+            ref = build_peer(build()).to(device=device, dtype=dtype)
             if channels_last:
                 ref = ref.to(memory_format=torch.channels_last_3d)
 
@@ -119,14 +122,14 @@ def variants(chunk: int) -> dict[str, Callable[[torch.device], Decode]]:
 
     def service(dtype: torch.dtype, chunk_frames: int) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            model = modes.build(build_ours(), device, modes.Mode(dtype))  # what the gate serves
+            model = modes.build(build(), device, modes.Mode(dtype))  # what the gate serves
             opts = {"timestep": TIMESTEP, "seed": SEED, "chunk_frames": chunk_frames}
             return lambda z: model.decode(z.to(device), **opts)
 
         return make
 
     def streamed(device: torch.device) -> Decode:
-        model = modes.build(build_ours(), device, modes.Mode(torch.float32))
+        model = modes.build(build(), device, modes.Mode(torch.float32))
         opts = {"timestep": TIMESTEP, "seed": SEED, "chunk_frames": chunk}
 
         def decode(z: torch.Tensor) -> None:
