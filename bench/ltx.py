@@ -23,7 +23,8 @@ machine's bf16 GEMM runs below 1/4 of float32's (AVX2 CPUs emulate bf16; oneDNN 
 bf16 convs there): ``--force-bf16`` runs them anyway.
 
 Variants: diffusers fp32 (its default), fp32 with ``channels_last_3d``, bf16; the service's
-decoder in one pass (``chunk_frames=0``), in temporal chunks of ``--chunk`` latent frames
+decoder in one pass (``chunk_frames=0``; its fast path, and "exact": model.py's layers with
+plain conv weights, what was served before the packed weights of ``ltx/fast.py``), in temporal chunks of ``--chunk`` latent frames
 (exact; the full output is assembled), streamed (``iter_decode`` chunks turned into uint8
 frames and dropped, as the MP4 path feeds ffmpeg: nothing is kept, so no cosine), and bf16.
 """
@@ -120,9 +121,11 @@ def variants(
 
         return make
 
-    def service(dtype: torch.dtype, chunk_frames: int) -> Callable[[torch.device], Decode]:
+    def service(
+        dtype: torch.dtype, chunk_frames: int, optimized: bool = True
+    ) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            model = modes.build(build(), device, modes.Mode(dtype))  # what the gate serves
+            model = modes.build(build(), device, modes.Mode(dtype, optimized))  # as the gate
             opts = {"timestep": TIMESTEP, "seed": SEED, "chunk_frames": chunk_frames}
             return lambda z: model.decode(z.to(device), **opts)
 
@@ -144,6 +147,7 @@ def variants(
         "diffusers fp32+CL3d": peer(torch.float32, True),
         "diffusers bf16": peer(torch.bfloat16, False),
         "service one pass": service(torch.float32, 0),
+        "service exact one pass": service(torch.float32, 0, optimized=False),
         f"service chunked ({chunk})": service(torch.float32, chunk),
         f"service streamed ({chunk})": streamed,
         "service bf16 chunked": service(torch.bfloat16, chunk),

@@ -8,7 +8,8 @@ the first call: the warm-up's) and runs the conv
 through ``mkldnn._convolution_pointwise``, which takes the packed weight as it is: the same
 convolution, summed in oneDNN's order (float32 round-off differs, within the parity gate).
 
-Only float32 on the CPU is packed (the path ``model.conv3d`` sends to oneDNN); other dtypes
+Only convs whose weight outweighs their input are packed (the low-resolution, wide stages:
+elsewhere packing measured slower), and only float32 on the CPU (the path ``model.conv3d`` sends to oneDNN); other dtypes
 and devices keep the exact layer. The packed weights are a second copy of the conv weights
 (the plain ones stay: they are the reference's, memory-mapped). Measurements:
 docs/bench/ltx.md.
@@ -40,6 +41,10 @@ class PackedCausalConv3d(CausalConv3d):
 
     def _run(self, x: Tensor) -> Tensor:
         if x.shape[2] < self.kt or x.dtype != torch.float32 or x.device.type != "cpu":
+            return super()._run(x)
+        if self.conv.weight.numel() <= x.numel():
+            # the weight is small next to the activations: its reorder is cheap, and oneDNN's
+            # channels-last output (copied back below) would cost more than packing saves
             return super()._run(x)
         if self.packed is None or tuple(x.shape) != self.packed_for:
             # oneDNN's layout depends on the input's shape (packed for another shape, a
