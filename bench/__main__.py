@@ -6,6 +6,7 @@ import argparse
 import importlib
 
 BENCHES = {
+    "all": "bench.table",
     "flux": "bench.flux",
     "hunyuan-video": "bench.hunyuan_video",
     "ltx": "bench.ltx",

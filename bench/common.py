@@ -30,6 +30,15 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {gpu}, torch {torch.__version__}"
 
 
+def channels_last_3d(module: torch.nn.Module) -> torch.nn.Module:
+    """``module.to(memory_format=torch.channels_last_3d)`` for a model that also holds 4-D
+    weights (that call refuses them): only its 5-D parameters change layout."""
+    for param in module.parameters():
+        if param.dim() == 5:
+            param.data = param.data.contiguous(memory_format=torch.channels_last_3d)
+    return module
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()

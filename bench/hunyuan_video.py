@@ -82,12 +82,17 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     return {"tiled": True} if args.tiled else {}
 
 
-def variants(args: argparse.Namespace) -> dict[str, Callable[[torch.device], Decode]]:
-    """name -> make(device) -> decode(z). Each is built in its own process."""
+def variants(
+    args: argparse.Namespace, build: Callable[[], hunyuan_video.Decoder] = build_ours
+) -> dict[str, Callable[[torch.device], Decode]]:
+    """name -> make(device) -> decode(z). Each is built in its own process (``build``: the
+    exact decoder they start from; ``bench.table`` passes one it built once)."""
 
-    def peer(dtype: torch.dtype) -> Callable[[torch.device], Decode]:
+    def peer(dtype: torch.dtype, channels_last: bool = False) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            ref = build_peer(build_ours()).to(device=device, dtype=dtype)
+            ref = build_peer(build()).to(device=device, dtype=dtype)
+            if channels_last:
+                ref = ref.to(memory_format=torch.channels_last_3d)
             if args.tiled:
                 ref.enable_tiling()
             return lambda z: ref.decode(z.to(device, dtype)).sample
@@ -96,13 +101,13 @@ def variants(args: argparse.Namespace) -> dict[str, Callable[[torch.device], Dec
 
     def service(dtype: torch.dtype) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            model = modes.build(build_ours(), device, modes.Mode(dtype))
+            model = modes.build(build(), device, modes.Mode(dtype))
             return lambda z: model.decode(z.to(device), **options(args))
 
         return make
 
     def streamed(device: torch.device) -> Decode:
-        model = modes.build(build_ours(), device, modes.Mode(torch.float32))
+        model = modes.build(build(), device, modes.Mode(torch.float32))
 
         def decode(z: torch.Tensor) -> None:
             for piece in model.iter_decode(z.to(device), **options(args)):
@@ -113,6 +118,7 @@ def variants(args: argparse.Namespace) -> dict[str, Callable[[torch.device], Dec
 
     return {
         PEER: peer(torch.float32),
+        "diffusers fp32+CL3d": peer(torch.float32, channels_last=True),
         "diffusers bf16": peer(torch.bfloat16),
         "service": service(torch.float32),
         "service streamed": streamed,

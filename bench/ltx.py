@@ -23,7 +23,8 @@ machine's bf16 GEMM runs below 1/4 of float32's (AVX2 CPUs emulate bf16; oneDNN 
 bf16 convs there): ``--force-bf16`` runs them anyway.
 
 Variants: diffusers fp32 (its default), fp32 with ``channels_last_3d``, bf16; the service's
-decoder in one pass (``chunk_frames=0``), in temporal chunks of ``--chunk`` latent frames
+decoder in one pass (``chunk_frames=0``; its fast path, and "exact": model.py's layers with
+plain conv weights, what was served before the packed weights of ``ltx/fast.py``), in temporal chunks of ``--chunk`` latent frames
 (exact; the full output is assembled), streamed (``iter_decode`` chunks turned into uint8
 frames and dropped, as the MP4 path feeds ffmpeg: nothing is kept, so no cosine), and bf16.
 """
@@ -99,12 +100,15 @@ def latent(frames: int, size: int) -> torch.Tensor:
     return torch.randn((1, 128, frames, cells, cells), generator=torch.Generator().manual_seed(1))
 
 
-def variants(chunk: int) -> dict[str, Callable[[torch.device], Decode]]:
-    """name -> make(device) -> decode(z). Each is built in its own process."""
+def variants(
+    chunk: int, build: Callable[[], ltx.Decoder] = build_ours
+) -> dict[str, Callable[[torch.device], Decode]]:
+    """name -> make(device) -> decode(z). Each is built in its own process (``build``: the
+    exact decoder they start from; ``bench.table`` passes one it built once)."""
 
     def peer(dtype: torch.dtype, channels_last: bool) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            ref = build_peer(build_ours()).to(device=device, dtype=dtype)
+            ref = build_peer(build()).to(device=device, dtype=dtype)
             if channels_last:
                 ref = ref.to(memory_format=torch.channels_last_3d)
 
@@ -117,16 +121,18 @@ def variants(chunk: int) -> dict[str, Callable[[torch.device], Decode]]:
 
         return make
 
-    def service(dtype: torch.dtype, chunk_frames: int) -> Callable[[torch.device], Decode]:
+    def service(
+        dtype: torch.dtype, chunk_frames: int, optimized: bool = True
+    ) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            model = modes.build(build_ours(), device, modes.Mode(dtype))  # what the gate serves
+            model = modes.build(build(), device, modes.Mode(dtype, optimized))  # as the gate
             opts = {"timestep": TIMESTEP, "seed": SEED, "chunk_frames": chunk_frames}
             return lambda z: model.decode(z.to(device), **opts)
 
         return make
 
     def streamed(device: torch.device) -> Decode:
-        model = modes.build(build_ours(), device, modes.Mode(torch.float32))
+        model = modes.build(build(), device, modes.Mode(torch.float32))
         opts = {"timestep": TIMESTEP, "seed": SEED, "chunk_frames": chunk}
 
         def decode(z: torch.Tensor) -> None:
@@ -141,6 +147,7 @@ def variants(chunk: int) -> dict[str, Callable[[torch.device], Decode]]:
         "diffusers fp32+CL3d": peer(torch.float32, True),
         "diffusers bf16": peer(torch.bfloat16, False),
         "service one pass": service(torch.float32, 0),
+        "service exact one pass": service(torch.float32, 0, optimized=False),
         f"service chunked ({chunk})": service(torch.float32, chunk),
         f"service streamed ({chunk})": streamed,
         "service bf16 chunked": service(torch.bfloat16, chunk),

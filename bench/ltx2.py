@@ -15,6 +15,42 @@ import torch
 
 from app.decoders import ltx
 
+CONFIG = ltx.SYNTHETIC["ltx2-tiny"]
+TIMESTEP = CONFIG["decode_timestep"]
+SEED = 0
+
+
+def build_ours(seed: int = 0) -> ltx.Decoder:
+    ours = ltx.Decoder(CONFIG).eval()
+    ltx.init_synthetic(ours, torch.Generator().manual_seed(seed))
+    return ours.requires_grad_(False)
+
+
+def build_peer(ours: ltx.Decoder):
+    """diffusers' AutoencoderKLLTX2Video holding ``ours``' decoder weights."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    skip = ("version", "fps", "decode_timestep")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in CONFIG.items() if k not in skip}
+    ref = AutoencoderKLLTX2Video(
+        **kwargs, block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1)
+    ).eval()
+    ref.decoder.load_state_dict(ours.state_dict())
+    return ref.requires_grad_(False)
+
+
+def peer_decode(ref, z: torch.Tensor) -> torch.Tensor:
+    """diffusers' decode at the timestep and noise seed ours is given (``SEED``)."""
+    torch.manual_seed(SEED)
+    with torch.no_grad():
+        dtype = next(ref.parameters()).dtype
+        return ref.decode(z.to(dtype), torch.tensor([TIMESTEP], dtype=dtype)).sample
+
+
+def latent(ours: ltx.Decoder, frames: int, size: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(1, ours.latent_channels, frames, size, size, generator=gen)
+
 
 def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, float]:
     out = fn()
@@ -25,32 +61,16 @@ def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, f
 
 
 def run(args: argparse.Namespace) -> None:
-    from diffusers import AutoencoderKLLTX2Video
-
     torch.set_num_threads(args.threads)
-    config = ltx.SYNTHETIC["ltx2-tiny"]
-    ours = ltx.Decoder(config).eval()
-    ltx.init_synthetic(ours, torch.Generator().manual_seed(0))
-    skip = ("version", "fps", "decode_timestep")
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k not in skip}
-    ref = AutoencoderKLLTX2Video(
-        **kwargs, block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1)
-    ).eval()
-    ref.decoder.load_state_dict(ours.state_dict())
-    gen = torch.Generator().manual_seed(1)
-    z = torch.randn(1, ours.latent_channels, args.frames, args.size, args.size, generator=gen)
-    t = config["decode_timestep"]
-
-    def reference() -> torch.Tensor:
-        torch.manual_seed(0)
-        with torch.no_grad():
-            return ref.decode(z, torch.tensor([t])).sample
-
-    expected, t_ref = _timed(reference, args.repeat)
+    ours = build_ours()
+    ref = build_peer(ours)
+    z = latent(ours, args.frames, args.size)
+    expected, t_ref = _timed(lambda: peer_decode(ref, z), args.repeat)
     print(f"latent {list(z.shape)} -> {list(expected.shape)}; diffusers {t_ref:.3f} s")
     for chunk in (0, 1, 2):
         got, t_ours = _timed(
-            lambda c=chunk: ours.decode(z, timestep=t, seed=0, chunk_frames=c), args.repeat
+            lambda c=chunk: ours.decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=c),
+            args.repeat,
         )
         cos = torch.nn.functional.cosine_similarity(
             got.double().flatten(), expected.double().flatten(), 0

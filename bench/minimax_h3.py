@@ -26,6 +26,7 @@ import argparse
 import copy
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import (
@@ -66,6 +67,18 @@ def peer_blocks(ours: torch.nn.ModuleList, cfg: dict) -> torch.nn.ModuleList:
         peer.load_state_dict(block.state_dict(), strict=True, assign=True)
         out.append(peer.eval().requires_grad_(False))
     return out
+
+
+def stack(blocks: torch.nn.ModuleList, x: torch.Tensor, rope) -> Callable[[], torch.Tensor]:
+    """The blocks applied in turn to ``x`` with ``rope`` (one call of a decoder's block stack)."""
+
+    def fn() -> torch.Tensor:
+        h = x
+        for block in blocks:
+            h = block(h, rope)
+        return h
+
+    return fn
 
 
 def peer_rope(cfg: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,23 +138,14 @@ def run(args: argparse.Namespace) -> None:
     theirs_rope = peer_rope(cfg, device)
     assert torch.allclose(ours_rope[0][:, 0], theirs_rope[0][0, :, 0], atol=1e-6)
 
-    def stack(blocks: torch.nn.ModuleList, peer: bool):
-        def fn() -> torch.Tensor:
-            h = x
-            for block in blocks:
-                h = block(h, theirs_rope) if peer else block(h, ours_rope)
-            return h
-
-        return fn
-
     variants = {}
     for dtype in dtypes:
         model = decoder if dtype == torch.float32 else copy.deepcopy(decoder).to(dtype=dtype)
         model = model.to(device)
         ours = model.decoder.transformer_blocks
         name = str(dtype).removeprefix("torch.")
-        variants[f"diffusers {name}"] = (dtype, stack(peer_blocks(ours, cfg), peer=True))
-        variants[f"service {name}"] = (dtype, stack(ours, peer=False))
+        variants[f"diffusers {name}"] = (dtype, stack(peer_blocks(ours, cfg), x, theirs_rope))
+        variants[f"service {name}"] = (dtype, stack(ours, x, ours_rope))
 
     flops = count_block_flops(cfg)
     print(

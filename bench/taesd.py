@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from app.decoders import flux, taesd
 from app.decoders.flux.model import FLUX1_CONFIG
@@ -51,6 +53,29 @@ def build_preview(weights: Path | None) -> tuple[taesd.Decoder, str]:
         decoder = taesd.Decoder({"variant": "taef2"})
         source = "synthetic weights (seed 0; ../shared absent)"
     return decoder.float().eval().requires_grad_(False), source
+
+
+def build_pair(latent_channels: int = 16, seed: int = 0) -> tuple[taesd.Decoder, torch.nn.Module]:
+    """diffusers' ``AutoencoderTiny`` (TAEF1's shape by default) with seeded He-scaled weights,
+    and the service's decoder converted from its saved file, as ``python -m app import`` would."""
+    from diffusers import AutoencoderTiny  # the peer: a test extra, only this function needs it
+
+    ref = AutoencoderTiny(latent_channels=latent_channels)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.decoder.parameters():
+            p.copy_(
+                torch.randn(p.shape, generator=gen)
+                * ((2 / p[0].numel()) ** 0.5 if p.ndim == 4 else 0.1)
+            )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "decoder.safetensors"
+        save_file({k: v.contiguous() for k, v in ref.decoder.state_dict().items()}, str(path))
+        config, state = taesd.convert(path)
+    ours = taesd.Decoder(config)
+    ours.load_state_dict(state)
+    del ref.encoder
+    return ours.eval().requires_grad_(False), ref.eval().requires_grad_(False)
 
 
 def build_full(seed: int = 0) -> flux.Decoder:

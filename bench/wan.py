@@ -94,25 +94,31 @@ def latent(variant: str, frames: int, size: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(1))
 
 
-def variants(variant: str, chunk: int) -> dict[str, Callable[[torch.device], Decode]]:
-    """name -> make(device) -> decode(z). Each is built in its own process."""
+def variants(
+    variant: str, chunk: int, build: Callable[[], wan.Decoder] | None = None
+) -> dict[str, Callable[[torch.device], Decode]]:
+    """name -> make(device) -> decode(z). Each is built in its own process (``build``: the
+    exact decoder they start from; ``bench.table`` passes one it built once)."""
+    build = build or (lambda: build_ours(variant))
 
-    def peer(dtype: torch.dtype) -> Callable[[torch.device], Decode]:
+    def peer(dtype: torch.dtype, channels_last: bool = False) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            ref = build_peer(variant, build_ours(variant)).to(device=device, dtype=dtype)
+            ref = build_peer(variant, build()).to(device=device, dtype=dtype)
+            if channels_last:
+                ref = common.channels_last_3d(ref)
             return lambda z: ref.decode(z.to(device, dtype)).sample
 
         return make
 
     def service(dtype: torch.dtype, chunk_frames: int) -> Callable[[torch.device], Decode]:
         def make(device: torch.device) -> Decode:
-            model = modes.build(build_ours(variant), device, modes.Mode(dtype))
+            model = modes.build(build(), device, modes.Mode(dtype))
             return lambda z: model.decode(z.to(device), chunk_frames=chunk_frames)
 
         return make
 
     def streamed(device: torch.device) -> Decode:
-        model = modes.build(build_ours(variant), device, modes.Mode(torch.float32))
+        model = modes.build(build(), device, modes.Mode(torch.float32))
 
         def decode(z: torch.Tensor) -> None:
             for piece in model.iter_decode(z.to(device), chunk_frames=chunk):
@@ -123,6 +129,7 @@ def variants(variant: str, chunk: int) -> dict[str, Callable[[torch.device], Dec
 
     return {
         PEER: peer(torch.float32),
+        "diffusers fp32+CL3d": peer(torch.float32, channels_last=True),
         "diffusers bf16": peer(torch.bfloat16),
         "service one pass": service(torch.float32, 0),
         f"service chunked ({chunk})": service(torch.float32, chunk),

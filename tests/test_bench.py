@@ -24,3 +24,21 @@ BENCHES = ast.literal_eval(
 def test_bench_module_imports_and_declares_its_arguments(path):
     module = importlib.import_module(path)
     assert callable(module.run) and callable(module.add_arguments)
+
+
+def test_table_rows_on_the_tiniest_shapes():
+    """``python -m bench all``'s machinery on one small family: a row with every field, bf16
+    reported as skipped when emulated, and the table and machine line printable."""
+    table = importlib.import_module("bench.table")
+    row = table.measure("ltx2", "tiny", repeats=1, skip_bf16=True)
+    assert row["family"] == "ltx2" and row["shape"]
+    assert row["peers"]["bf16"] == table.EMULATED
+    assert row["best"] in ("fp32", "fp32+CL3d") and row["best_s"] > 0 and row["service_s"] > 0
+    assert row["ratio"] == pytest.approx(row["best_s"] / row["service_s"])
+    assert row["cos"] >= 0.99999  # the served path is exact (float32 here)
+    printed = table.format_table([row, {"family": "wan", "error": "boom"}])
+    assert (
+        "| ltx2 |" in printed and "skipped: bf16 emulated" in printed and "failed: boom" in printed
+    )
+    assert set(table.cpu_flags()) == {"AVX2", "AVX-512-BF16", "AMX"}
+    assert "AVX2" in table.machine_line()
