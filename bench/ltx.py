@@ -24,7 +24,7 @@ bf16 convs there): ``--force-bf16`` runs them anyway.
 
 Variants: diffusers fp32 (its default), fp32 with ``channels_last_3d``, bf16; the service's
 decoder in one pass (``chunk_frames=0``; its fast path, and "exact": model.py's layers with
-plain conv weights, what was served before the packed weights of ``ltx/fast.py``), in temporal chunks of ``--chunk`` latent frames
+plain conv weights), in temporal chunks of ``--chunk`` latent frames
 (exact; the full output is assembled), streamed (``iter_decode`` chunks turned into uint8
 frames and dropped, as the MP4 path feeds ffmpeg: nothing is kept, so no cosine), and bf16.
 """

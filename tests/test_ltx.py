@@ -13,9 +13,7 @@ from safetensors.torch import save_file
 
 from app import timing
 from app.decoders import ltx
-from app.decoders.ltx import fast
 from app.decoders.ltx.model import decoder_spec
-from app.runtime import modes
 from app.timing import PhaseTimer
 from tests.helpers import latent, report
 
@@ -126,21 +124,6 @@ def test_temporal_chunks_are_exact(variant):
     cond = ours.conditioning(z, {"timestep": TIMESTEP, "seed": SEED})
     with torch.no_grad():
         torch.testing.assert_close(ours(z, cond), whole, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_packed_fast_path_matches_diffusers(variant):
-    """``optimize`` (the served float32 CPU copy: conv weights packed for oneDNN) decodes
-    what diffusers does, in one pass and in chunks, and repacks when the input shape changes."""
-    ref, ours = make_pair(variant)
-    served = modes.build(ours, torch.device("cpu"), modes.Mode(torch.float32))
-    packed = [m for m in served.modules() if isinstance(m, fast.PackedCausalConv3d)]
-    assert packed and not any(isinstance(m, fast.PackedCausalConv3d) for m in ours.modules())
-    for frames, chunk in ((3, 1), (2, 0)):
-        z = clip(frames)
-        got = served.decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=chunk)
-        assert report(f"{variant} packed T={frames}", got, reference_decode(ref, z)) >= 0.99999
-    assert any(m.packed is not None for m in packed)  # the packed convolution ran
 
 
 def test_noise_seed():

@@ -472,12 +472,6 @@ class Decoder(VAEDecoder):
         h = self.norm_out(x, s.cond.mods.get(self))
         return self.unpatchify(self.conv_out(self.conv_act(h), s))
 
-    def optimize(self) -> None:
-        """Conv weights packed once for oneDNN (``fast.py``; float32 CPU copies only)."""
-        from app.decoders.ltx import fast
-
-        fast.optimize(self)
-
     def stages(self) -> list[tuple[str, nn.Module]]:
         head = (self.norm_out, self.conv_act, self.conv_out, self.unpatchify)
         return [
