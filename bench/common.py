@@ -146,3 +146,36 @@ def print_report(rows: list[dict], flops: int, rates: dict, device: str, peer: s
             f"| {r['variant']} | {r['seconds']:.2f} | {ratio} | {rate / 1e12:.3f} "
             f"| {rate / rates[dtype]:.0%} | {r['peak_bytes'] / 2**20:.0f} | {cos} | {err} |"
         )
+
+
+def measure_child(
+    decode: Callable, z: torch.Tensor, device: torch.device, args, build_s: float
+) -> None:
+    """A benchmark child's measurement: ``args.repeats`` decodes of ``z`` (median time), the
+    peak memory above what the process held before them, the last output saved to
+    ``args.out``; one JSON line on stdout for the parent."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak_rss()
+        base = rss_bytes()
+    times, out = [], None
+    for _ in range(args.repeats):
+        out = None  # the previous output is not part of the next decode's peak
+        t1 = time.perf_counter()
+        out = decode(z)
+        sync(device)
+        times.append(time.perf_counter() - t1)
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else peak_rss_bytes()) - base
+    if out is not None:
+        torch.save(out.float().cpu(), args.out)
+    result = {
+        "variant": args.child,
+        "seconds": statistics.median(times),
+        "times": times,
+        "peak_bytes": peak,
+        "build_s": build_s,
+    }
+    print(json.dumps(result))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -196,34 +195,7 @@ def _child(args: argparse.Namespace) -> None:
         torch.randn(1, CONFIG["latent_channels"], 1, 2, 2)
     )  # lazily created state, outside the timing
     z = latent(args.frames, args.size)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    else:
-        common.reset_peak_rss()
-        base = common.rss_bytes()
-    times, out = [], None
-    for _ in range(args.repeats):
-        out = None
-        t1 = time.perf_counter()
-        out = decode(z)
-        common.sync(device)
-        times.append(time.perf_counter() - t1)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = common.peak_rss_bytes() - base
-    if out is not None:
-        torch.save(out.float().cpu(), args.out)
-    result = {
-        "variant": args.child,
-        "seconds": statistics.median(times),
-        "times": times,
-        "peak_bytes": peak,
-        "build_s": build_s,
-    }
-    print(json.dumps(result))
+    common.measure_child(decode, z, device, args, build_s)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
