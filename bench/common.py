@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -179,3 +180,40 @@ def measure_child(
         "build_s": build_s,
     }
     print(json.dumps(result))
+
+
+def run_children(
+    names: list[str],
+    only: list[str] | None,
+    skip_bf16: bool,
+    spawn: Callable[[str, Path], dict],
+    flops: int,
+    rates: dict,
+    device: str,
+    peer: str,
+) -> None:
+    """Run each selected variant in its own process (``spawn(name, output_path)``), print its
+    line as it finishes, then the table with every output compared with ``peer``'s."""
+    import tempfile
+
+    selected = [
+        n
+        for n in names
+        if not (only and not any(o in n for o in only)) and not (skip_bf16 and "bf16" in n)
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        outputs: dict[str, Path] = {}
+        for name in selected:
+            out = Path(tmp) / f"{len(outputs)}.pt"
+            result = spawn(name, out)
+            if out.exists():
+                outputs[name] = out
+            rows.append(result)
+            print(
+                f"  {name:26s} {result['seconds']:8.2f} s  peak "
+                f"{result['peak_bytes'] / 2**20:7.0f} MiB  (build {result['build_s']:.0f} s)",
+                flush=True,
+            )
+        compare_outputs(rows, outputs, peer)
+    print_report(rows, flops, rates, device, peer)

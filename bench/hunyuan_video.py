@@ -24,9 +24,9 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -147,28 +147,10 @@ def run(args: argparse.Namespace) -> None:
     slow_bf16 = rates[torch.bfloat16] < rates[torch.float32] / 4 and not args.force_bf16
     if slow_bf16:
         print("bf16 is emulated on this CPU: bf16 variants skipped (--force-bf16 runs them)")
-    names = [
-        n
-        for n in variants(args)
-        if not (args.only and not any(o in n for o in args.only))
-        and not (slow_bf16 and "bf16" in n)
-    ]
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        outputs: dict[str, Path] = {}
-        for name in names:
-            out = Path(tmp) / f"{len(outputs)}.pt"
-            result = _spawn(args, name, out)
-            if out.exists():
-                outputs[name] = out
-            rows.append(result)
-            print(
-                f"  {name:26s} {result['seconds']:8.2f} s  peak "
-                f"{result['peak_bytes'] / 2**20:7.0f} MiB",
-                flush=True,
-            )
-        common.compare_outputs(rows, outputs, PEER)
-    common.print_report(rows, flops, rates, args.device, PEER)
+    spawn = partial(_spawn, args)
+    common.run_children(
+        list(variants(args)), args.only, slow_bf16, spawn, flops, rates, args.device, PEER
+    )
 
 
 def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:

@@ -35,9 +35,9 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -178,28 +178,10 @@ def run(args: argparse.Namespace) -> None:
             f"bf16 GEMM {rates[torch.bfloat16] / 1e9:.1f} GFLOP/s < 1/4 of fp32: bf16 is emulated "
             "on this CPU (no AVX512-BF16/AMX): bf16 variants skipped (--force-bf16 runs them)"
         )
-    names = [
-        n
-        for n in variants(args.chunk)
-        if not (args.only and not any(o in n for o in args.only))
-        and not (slow_bf16 and "bf16" in n)
-    ]
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        outputs: dict[str, Path] = {}
-        for name in names:
-            out = Path(tmp) / f"{len(outputs)}.pt"
-            result = _spawn(args, name, out)
-            if out.exists():
-                outputs[name] = out
-            rows.append(result)
-            print(
-                f"  {name:26s} {result['seconds']:8.2f} s  peak {result['peak_bytes'] / 2**20:7.0f} MiB"
-                f"  (build {result['build_s']:.0f} s)",
-                flush=True,
-            )
-        common.compare_outputs(rows, outputs, PEER)
-    common.print_report(rows, flops, rates, args.device, PEER)
+    spawn = partial(_spawn, args)
+    common.run_children(
+        list(variants(args.chunk)), args.only, slow_bf16, spawn, flops, rates, args.device, PEER
+    )
 
 
 def count_flops(frames: int, size: int) -> int:
