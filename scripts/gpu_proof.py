@@ -11,6 +11,10 @@ every section, so a run cut short still leaves its report):
            LTX MP4s read back by ffmpeg
   ladder   a forced out-of-memory and the rungs that answered it
   l4       an L4's memory emulated on this card: which sizes and batches decode, and how
+  graphs   a captured CUDA graph of the served FLUX decode vs eager launches
+  compile  torch.compile of the served FLUX decode: compile time, speed, cosine vs eager
+  profile  the compiled FLUX 1024^2 decode kernel by kernel (NCHW and channels_last), against
+           its FLOPs and the card's bf16 GEMM rate
 Writes gpu_proof.json ({"device", "gate", "flux", "e2e", "ladder", "l4", "ok", ...}) and
 gpu_proof.md to --out (default $OUT, else /tmp/gpu_proof). Exits 1 on a gate failure, a
 request error, an ungated served path or a section that failed.
@@ -419,6 +423,38 @@ class Proof:
             self.report.setdefault("compile", []).append(row)
             print(f"  compile {row}", flush=True)
 
+    # --- profile --------------------------------------------------------------------------
+    def profile(self) -> None:
+        """Where the compiled FLUX.1 1024^2 decode spends its time, kernel by kernel, against
+        the FLOPs it does and this card's measured bf16 GEMM rate; and whether channels_last
+        (slower eagerly: GroupNorm) pays once inductor has fused the normalizations."""
+        if self.device.type != "cuda":
+            self.note("profile: needs a CUDA device")
+            return
+        ours, _ = flux_bench.build()
+        size = 1024
+        z = torch.randn(1, 16, size // 8, size // 8, device=self.device)
+        flops = common.meta_flops(ours, tuple(z.shape))
+        gemm = common.gemm_rate(torch.bfloat16, self.device, n=8192)
+        rows = []
+        for layout in ("NCHW", "channels_last"):
+            fast = modes.build(ours, self.device, modes.Mode(torch.bfloat16))
+            if layout == "channels_last":
+                fast = fast.to(memory_format=torch.channels_last)
+            compiled = torch.compile(lambda z, m=fast: m.decode(z, tiled=False), dynamic=False)
+            timed = self._time(compiled, z, 10)
+            row = {"layout": layout, "ms": timed["ms"], "peak_mib": timed["peak_mib"]}
+            row["tflops"] = flops / (timed["ms"] / 1000) / 1e12
+            row["kernels"] = _kernel_profile(compiled, z)
+            rows.append(row)
+            print(
+                f"  profile {layout}: {timed['ms']:.2f} ms, {row['tflops']:.0f} TFLOP/s", flush=True
+            )
+            del fast, compiled
+            _empty(self.device)
+        self.report["profile"] = {"size": size, "flops": flops, "gemm_tflops": gemm / 1e12}
+        self.report["profile"]["rows"] = rows
+
     # --- encoder --------------------------------------------------------------------------
     def encoder(self) -> None:
         from app import video
@@ -458,6 +494,50 @@ def _timed(decode, z: torch.Tensor, device: torch.device) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1000
+
+
+KERNEL_KINDS = (  # substrings of CUDA kernel names -> what the time is spent on
+    ("convolution", ("conv", "xmma", "implicit", "cudnn", "sm90", "cutlass", "gemm", "wgrad")),
+    ("fused (triton)", ("triton",)),
+    ("copy", ("memcpy", "copy", "memset")),
+)
+
+
+def _kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def _kernel_profile(decode, z: torch.Tensor, top: int = 15) -> dict:
+    """Per-kernel time of one decode after a warm-up, in ms: totals by kind and the top
+    kernels. CUDA kernels on a GPU; on a CPU, aten ops' self time (so it runs anywhere)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = z.device.type == "cuda"
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    with torch.inference_mode():
+        decode(z)
+        devices.synchronize(z.device)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            decode(z)
+            devices.synchronize(z.device)
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == kind:
+            us = event.device_time if cuda else event.self_cpu_time_total
+            kernels.setdefault(event.name, []).append(us / 1000)
+    kinds: dict[str, float] = {}
+    for name, times in kernels.items():
+        kinds[_kernel_kind(name)] = kinds.get(_kernel_kind(name), 0.0) + sum(times)
+    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {
+        "total_ms": sum(kinds.values()),
+        "by_kind_ms": kinds,
+        "top": [{"name": n[:120], "calls": len(t), "ms": sum(t)} for n, t in ranked],
+    }
 
 
 def _allocated(device: torch.device) -> int:
@@ -634,6 +714,35 @@ def markdown(r: dict) -> str:
         lines.append(
             f"| {c['size']} | {c['compiled_ms']:.2f} | {c['first_call_s']:.1f} | {c['cos_vs_eager']:.7f} |"
         )
+    prof = r.get("profile")
+    if prof:
+        lines += [
+            "",
+            f"## Compiled FLUX.1 {prof['size']}^2 bf16, kernel by kernel",
+            "",
+            f"{prof['flops'] / 1e12:.2f} TFLOP per decode; bf16 GEMM measured at "
+            f"{prof['gemm_tflops']:.0f} TFLOP/s (8192^2).",
+            "",
+            "| layout | ms | TFLOP/s | kernel ms | by kind (ms) |",
+            "|---|---|---|---|---|",
+        ]
+        for row in prof["rows"]:
+            k = row["kernels"]
+            kinds = ", ".join(f"{n} {v:.1f}" for n, v in sorted(k["by_kind_ms"].items()))
+            lines.append(
+                f"| {row['layout']} | {row['ms']:.2f} | {row['tflops']:.0f} | "
+                f"{k['total_ms']:.1f} | {kinds} |"
+            )
+        for row in prof["rows"]:
+            lines += [
+                "",
+                f"Top kernels, {row['layout']}:",
+                "",
+                "| kernel | calls | ms |",
+                "|---|---|---|",
+            ]
+            for t in row["kernels"]["top"]:
+                lines.append(f"| `{t['name']}` | {t['calls']} | {t['ms']:.2f} |")
     lines += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
     if r["errors"]:
         lines += ["", "## Errors", ""] + [f"```\n{e}\n```" for e in r["errors"]]
@@ -651,7 +760,7 @@ def main() -> None:
     devices.prepare(device)
     proof = Proof(device, args.quick, args.out)
     print(devices.runtime_summary(args.device), flush=True)
-    sections = ["encoder", "gate", "flux", "e2e", "graphs", "ladder", "l4", "compile"]
+    sections = ["encoder", "gate", "flux", "e2e", "graphs", "ladder", "l4", "compile", "profile"]
     for name in args.only or sections:
         proof.section(name, getattr(proof, name))
     proof.write()
