@@ -1,14 +1,24 @@
-"""What the parity and HTTP tests share: seeded latents, cosine, PSNR, a parity check.
+"""What the parity and HTTP tests share: seeded latents, cosine, PSNR, a parity check,
+diffusers references with seeded weights and our decoders loaded from them, MP4 frames.
 
-Computed here, independently of ``app`` (a test must not grade the code with its own ruler).
+Computed here, independently of ``app`` (a test must not grade the code with its own ruler):
+a family module is passed in by the test that checks it.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import imageio_ffmpeg
 import numpy as np
 import torch
+from diffusers.video_processor import VideoProcessor
+from torch import nn
 
 
 def latent(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -48,3 +58,147 @@ def check(
     assert got.shape == expected.shape
     assert dtype is None or got.dtype == dtype
     assert cos >= min_cos
+
+
+# --- diffusers references and our decoders built from them --------------------------------
+def seeded(cls: type[nn.Module], seed: int = 0, **config: Any) -> nn.Module:
+    """A diffusers model of ``config`` in eval mode, its default init drawn after
+    ``torch.manual_seed(seed)``: the same random weights on every run."""
+    torch.manual_seed(seed)
+    return cls(**config).eval()
+
+
+def decoder_state(vae: nn.Module, prefix: str = "decoder.") -> dict[str, torch.Tensor]:
+    """``vae``'s tensors under ``prefix``, without it: what our decoder's state dict holds."""
+    return {k[len(prefix) :]: v for k, v in vae.state_dict().items() if k.startswith(prefix)}
+
+
+def saved(vae: Any, folder: Path) -> Path:
+    """``folder`` after ``vae.save_pretrained`` into it: a diffusers model folder."""
+    vae.save_pretrained(folder)
+    return folder
+
+
+def decoder_from(family: ModuleType, config: dict, state: dict[str, torch.Tensor]) -> nn.Module:
+    """``family.Decoder`` holding ``state``; its config goes through JSON first, as a store
+    manifest keeps it, so a config that does not survive JSON fails here."""
+    ours = family.Decoder(json.loads(json.dumps(config))).eval()
+    ours.load_state_dict(state)
+    return ours
+
+
+def import_pair(ref: Any, family: ModuleType, folder: Path) -> tuple[Any, nn.Module, dict]:
+    """(``ref``, our decoder, its config): ``ref`` saved as the ``vae/`` of a pipeline folder
+    and imported with ``family.convert``, so the converter is on the path of every parity
+    number."""
+    config, state = family.convert(saved(ref, folder / "vae").parent)
+    return ref, decoder_from(family, config, state), config
+
+
+def synthetic_twins(family: ModuleType, config: dict, seed: int) -> tuple[nn.Module, nn.Module]:
+    """Two ``family.Decoder``s of ``config`` after ``init_synthetic`` with the same seed;
+    asserts they are equal (a synthetic model must be reproducible)."""
+    a, b = family.Decoder(config), family.Decoder(config)
+    family.init_synthetic(a, torch.Generator().manual_seed(seed))
+    family.init_synthetic(b, torch.Generator().manual_seed(seed))
+    pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    assert all(torch.equal(x, y) for x, y in pairs)
+    return a, b
+
+
+# --- videos ---------------------------------------------------------------------------------
+MP4_MIN_PSNR = 30.0  # dB: H.264 crf 18 yuv420p MP4 frames against the decoded uint8 frames
+
+
+def read_mp4(data: bytes, tmp_path: Path, name: str = "out.mp4") -> tuple[dict, np.ndarray]:
+    """(ffmpeg's stream metadata, uint8 frames ``[T,H,W,3]``) of MP4 ``data``, read back
+    with imageio-ffmpeg's real ffmpeg."""
+    path = tmp_path / name
+    path.write_bytes(data)
+    reader = imageio_ffmpeg.read_frames(str(path))
+    meta = next(reader)
+    w, h = meta["size"]
+    return meta, np.stack([np.frombuffer(f, np.uint8).reshape(h, w, 3) for f in reader])
+
+
+def probe(data: bytes, tmp_path: Path) -> str:
+    """What imageio-ffmpeg's ffmpeg says about the stream (``ffmpeg -i``, its ffprobe)."""
+    path = tmp_path / "probe.mp4"
+    path.write_bytes(data)
+    exe = imageio_ffmpeg.get_ffmpeg_exe()
+    return subprocess.run(
+        [exe, "-hide_banner", "-i", str(path)], capture_output=True, text=True
+    ).stderr
+
+
+def diffusers_frames(decoded: torch.Tensor) -> np.ndarray:
+    """diffusers' own uint8 frames ``[T,H,W,3]`` of one video, as its pipelines make them."""
+    frames = VideoProcessor().postprocess_video(decoded, output_type="pil")[0]
+    return np.stack([np.asarray(f) for f in frames])
+
+
+# --- LTX-Video and LTX-2 (both diffusers classes share these decoder parts) -----------------
+@torch.no_grad()
+def noise_scales_count(vae: nn.Module) -> None:
+    """diffusers zero-inits the noise-injection scales: make them count in a parity test."""
+    for name, p in vae.decoder.named_parameters():
+        if "per_channel_scale" in name:
+            p.normal_(0, 0.1)
+
+
+@torch.no_grad()
+def with_stats(vae: nn.Module) -> nn.Module:
+    """``vae`` with seeded latent mean/std that are not the identity (for denormalization)."""
+    g = torch.Generator().manual_seed(5)
+    n = vae.latents_mean.shape[0]
+    vae.latents_mean.copy_(torch.randn(n, generator=g))
+    vae.latents_std.copy_(torch.rand(n, generator=g) + 0.5)
+    return vae
+
+
+def ltx_decode(
+    vae: Any, z: torch.Tensor, timestep: float = 0.0, seed: int = 0, pipeline: Any = None
+) -> torch.Tensor:
+    """diffusers' decode at ``timestep`` (``pipeline``: after its latent de-normalization).
+    Its noise comes from the global RNG, so that is seeded with ``seed``, as ours is."""
+    if pipeline is not None:
+        z = pipeline._denormalize_latents(
+            z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
+        )
+    temb = torch.full((z.shape[0],), timestep) if vae.config.timestep_conditioning else None
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return vae.decode(z, temb).sample
+
+
+@torch.no_grad()
+def smooth_head(conv: nn.Conv3d, p: int) -> None:
+    """Make ``conv_out`` paint each p x p pixel patch as a mostly gray level plus one ramp
+    along x and one along y (and a 10% colour tint), from its own random weights.
+
+    Random heads paint per-pixel colour noise, which yuv420p's 2x2 chroma cannot hold
+    (17 dB after H.264 crf 18, measured), so an MP4-vs-frames PSNR floor would say nothing.
+    This head gives 33-40 dB here. The x and y ramps differ, so the pt parity still checks
+    how unpatchify orders the patch offsets (channel = colour * p * p + x * p + y).
+    """
+    w = torch.cat([conv.weight.flatten(1), conv.bias[:, None]], 1).view(3, p, p, -1)
+    ramp = torch.cos(math.pi * (torch.arange(p) + 0.5) / p)
+    gray = w[:1, :1, :1]
+    along_x = 0.3 * w[:1, 1 % p : 1 % p + 1, :1] * ramp.view(1, p, 1, 1)
+    along_y = 0.3 * w[:1, :1, 1 % p : 1 % p + 1] * ramp.view(1, 1, p, 1)
+    painted = 0.7 * (gray + along_x + along_y + 0.1 * w[:, :1, :1])  # 0.7: a softer contrast
+    painted = painted.expand_as(w).reshape(3 * p * p, -1)
+    conv.weight.copy_(painted[:, :-1].view_as(conv.weight))
+    conv.bias.copy_(painted[:, -1])
+
+
+@torch.no_grad()
+def served_ltx(cls: type[nn.Module], seed: int, **config: Any) -> nn.Module:
+    """A random diffusers LTX / LTX-2 VAE to serve: noise scales made to count, latent stats
+    that are not the identity, and a head a video codec can hold."""
+    vae = seeded(cls, seed, **config)
+    noise_scales_count(vae)
+    vae.latents_mean.normal_(0, 0.5)
+    vae.latents_std.uniform_(0.5, 1.5)
+    smooth_head(vae.decoder.conv_out.conv, vae.config.patch_size)
+    return vae

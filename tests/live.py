@@ -1,8 +1,12 @@
-"""A real uvicorn server on loopback, and small model stores, for HTTP tests."""
+"""A real uvicorn server on loopback, small model stores (baked, or imported with the real
+CLI), and raw requests to it, for HTTP tests."""
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +22,10 @@ from app.config import Settings
 from app.decoders import family_module
 from app.service import create_app
 from app.store import write_model
+
+# the project root, where `python -m app` runs (not from tests.conftest: live.py is also
+# imported outside pytest, by the faulty server's subprocesses)
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY_FLUX = {
     "flux-tiny": {
@@ -83,3 +91,61 @@ def live_server(store: Path, **settings: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+def cli_import(store: Path, *models: tuple[str, Path, str]) -> list[str]:
+    """Import each ``(family, source, name)`` into ``store`` with the real CLI, as a user
+    would; all at once, since most of each run is importing torch. Returns their stdouts."""
+    runs = []
+    for family, source, name in models:
+        command = [sys.executable, "-m", "app", "import", family, str(source)]
+        command += ["--name", name, "--models-dir", str(store)]
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        runs.append(subprocess.Popen(command, cwd=ROOT, text=True, **pipes))
+    outputs = []
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0, err
+        outputs.append(out)
+    return outputs
+
+
+def import_pretrained(store: Path, family: str, vaes: dict[str, Any]) -> None:
+    """Each diffusers VAE ``save_pretrained`` as the ``vae/`` of a pipeline folder beside
+    ``store``, then imported into ``store`` under its name with the real CLI."""
+    for name, vae in vaes.items():
+        vae.save_pretrained(store.parent / name / "vae")
+    cli_import(store, *((family, store.parent / name, name) for name in vaes))
+
+
+def post(
+    url: str, model: str, z: torch.Tensor, accept: str | None = None, **params: Any
+) -> requests.Response:
+    """POST ``z`` as raw float32 ``tensor/binary`` to ``/decode/{model}``, with query
+    ``params`` remote_decode cannot send (timestep, seed, fps); asserts a 200."""
+    query = {"shape": json.dumps(list(z.shape)), "dtype": "float32"}
+    query.update({k: str(v) for k, v in params.items()})
+    headers = {"Content-Type": "tensor/binary"}
+    if accept:
+        headers["Accept"] = accept
+    r = requests.post(
+        f"{url}/decode/{model}",
+        params=query,
+        data=z.numpy().tobytes(),
+        headers=headers,
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r
+
+
+def tensor_of(r: requests.Response) -> torch.Tensor:
+    """The float32 tensor of a ``pt`` answer, shaped as its ``shape`` header says."""
+    assert r.headers["dtype"] == "float32"
+    data = torch.frombuffer(bytearray(r.content), dtype=torch.float32)
+    return data.reshape(json.loads(r.headers["shape"]))
+
+
+def timed_phases(r: requests.Response) -> set[str]:
+    """The phase names of an answer's ``Server-Timing`` header."""
+    return {p.split(";")[0].strip() for p in r.headers["Server-Timing"].split(",")}

@@ -12,8 +12,7 @@ path of every parity number; the original checkpoint layout (Tencent's ``pytorch
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -23,10 +22,10 @@ from safetensors.torch import save_file
 
 from app.decoders import family_module, hunyuan_video
 from app.store import load_model
-from tests.helpers import cosine
+from tests import helpers
+from tests.helpers import check, cosine, import_pair, seeded, synthetic_twins
+from tests.live import import_pretrained
 
-ROOT = Path(__file__).resolve().parents[1]
-MIN_COS = 0.99999
 CONFIGS = {
     # the released topology (4 up blocks: space in 0-2, time in 1-2) in miniature
     "base": dict(latent_channels=4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
@@ -45,19 +44,14 @@ CONFIGS = {
 SHAPES = [(1, 1, 3, 4), (1, 3, 3, 4), (2, 5, 2, 3), (1, 7, 3, 2), (1, 10, 2, 2)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
+latent = partial(helpers.latent, seed=1)  # seed 1 unless a test says otherwise
 
 
 @torch.no_grad()
 def reference(name: str, seed: int = 0) -> AutoencoderKLHunyuanVideo:
     """A random diffusers VAE: default init, GroupNorm affines made non-trivial."""
-    torch.manual_seed(seed)
-    vae = AutoencoderKLHunyuanVideo(**CONFIGS[name]).eval()
+    vae = seeded(AutoencoderKLHunyuanVideo, seed, **CONFIGS[name])
     for pname, p in vae.decoder.named_parameters():
         if "norm" in pname and pname.endswith("weight"):
             p.uniform_(0.5, 1.5)
@@ -69,28 +63,10 @@ def reference(name: str, seed: int = 0) -> AutoencoderKLHunyuanVideo:
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> dict:
     """name -> (diffusers VAE, our decoder imported from its saved folder, config)."""
-    out = {}
-    for name in CONFIGS:
-        ref = reference(name)
-        folder = tmp_path_factory.mktemp(name) / "vae"
-        ref.save_pretrained(folder)
-        config, state = hunyuan_video.convert(folder.parent)  # a pipeline folder holding vae/
-        ours = hunyuan_video.Decoder(json.loads(json.dumps(config))).eval()  # survives JSON
-        ours.load_state_dict(state)
-        out[name] = (ref, ours, config)
-    return out
-
-
-def latent(b: int, c: int, t: int, h: int, w: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn((b, c, t, h, w), generator=torch.Generator().manual_seed(seed))
-
-
-def report(label: str, got: torch.Tensor, expected: torch.Tensor) -> float:
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    cos = cosine(got, expected)
-    err = (got - expected).abs().max().item()
-    print(f"{label}: cos {cos:.9f} max-abs {err:.2e}")
-    return cos
+    return {
+        name: import_pair(reference(name), hunyuan_video, tmp_path_factory.mktemp(name))
+        for name in CONFIGS
+    }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -104,7 +80,7 @@ def test_decode_matches_diffusers_default(pairs, name, shape):
     expected = ref.decode(z).sample
     assert expected.shape[2] == ours.frames_out(t)
     assert expected.shape[-1] == w * ours.spatial_scale
-    assert report(f"{name} {shape}", ours.decode(z), expected) >= MIN_COS
+    check(f"{name} {shape}", ours.decode(z), expected)
     streamed = torch.cat(list(ours.iter_decode(z)), 2)
     assert torch.equal(streamed, ours.decode(z))
 
@@ -122,7 +98,7 @@ def test_windows_are_really_there(pairs, t):
     finally:
         ref.use_framewise_decoding = True
     got = ours.decode(z, windowed=False)
-    assert report(f"one pass T={t}", got, whole) >= MIN_COS
+    check(f"one pass T={t}", got, whole)
     assert cosine(got, ours.decode(z)) < 0.9999
 
 
@@ -136,7 +112,7 @@ def test_stream_yields_windows_in_order(pairs, t, chunks):
     z = latent(1, config["latent_channels"], t, 2, 2, seed=2)
     got = list(ours.iter_decode(z))
     assert [c.shape[2] for c in got] == chunks
-    assert report(f"streamed T={t}", torch.cat(got, 2), ref.decode(z).sample) >= MIN_COS
+    check(f"streamed T={t}", torch.cat(got, 2), ref.decode(z).sample)
 
 
 @torch.no_grad()
@@ -151,7 +127,7 @@ def test_other_window_sizes_match_diffusers(pairs):
         ref.disable_tiling()
         ref.tile_sample_min_num_frames, ref.tile_sample_stride_num_frames = 16, 12
     got = ours.decode(z, window_frames=8, window_stride=4)
-    assert report("windows 8/4", got, expected) >= MIN_COS
+    check("windows 8/4", got, expected)
     assert cosine(got, ours.decode(z)) < 0.9999
 
 
@@ -170,7 +146,7 @@ def test_tiled_matches_diffusers_tiled(pairs, name, t):
     finally:
         ref.disable_tiling()
     got = ours.decode(z, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
-    assert report(f"{name} tiled T={t}", got, expected) >= MIN_COS
+    check(f"{name} tiled T={t}", got, expected)
     untiled = ours.decode(z)
     assert cosine(untiled, expected) < 0.9999  # the tiles are really there (seams differ)
     assert torch.equal(ours.decode(z, tiled=False), untiled)
@@ -183,7 +159,7 @@ def test_image_latent_is_one_frame(pairs):
     ref, ours, config = pairs["base"]
     z = latent(1, config["latent_channels"], 1, 4, 5, seed=4)
     expected = ref.decode(z).sample[:, :, 0]
-    assert report("4-D", ours.decode(z[:, :, 0]), expected) >= MIN_COS
+    check("4-D", ours.decode(z[:, :, 0]), expected)
 
 
 def test_denormalize_is_the_pipelines(pairs):
@@ -247,17 +223,20 @@ def test_convert_original_checkpoint(pairs, tmp_path, name, as_folder):
     decoder = hunyuan_video.Decoder(got_config).eval()
     decoder.load_state_dict(got_state)
     z = latent(1, config["latent_channels"], 5, 2, 2, seed=6)
-    assert report(f"{name} original", decoder.decode(z), ref.decode(z).sample) >= MIN_COS
+    check(f"{name} original", decoder.decode(z), ref.decode(z).sample)
 
 
 @torch.no_grad()
 def test_convert_single_file_without_config(tmp_path):
     """A lone repack (``hunyuan_video_vae_bf16.safetensors``, no ``vae.``): the config comes
     from the shapes and the published values (32 groups, 8x space, 4x time)."""
-    torch.manual_seed(3)
-    ref = AutoencoderKLHunyuanVideo(
-        latent_channels=16, block_out_channels=(32, 32, 32, 32), layers_per_block=1
-    ).eval()
+    ref = seeded(
+        AutoencoderKLHunyuanVideo,
+        3,
+        latent_channels=16,
+        block_out_channels=(32, 32, 32, 32),
+        layers_per_block=1,
+    )
     path = tmp_path / "hunyuan_video_vae.safetensors"
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
     config, state = hunyuan_video.convert(path)
@@ -266,7 +245,7 @@ def test_convert_single_file_without_config(tmp_path):
     decoder = hunyuan_video.Decoder(config).eval()
     decoder.load_state_dict(state)
     z = latent(1, 16, 2, 2, 2, seed=9)
-    assert report("lone safetensors", decoder.decode(z), ref.decode(z).sample) >= MIN_COS
+    check("lone safetensors", decoder.decode(z), ref.decode(z).sample)
     # widths 32 groups do not divide: refused, named (its config.json would say the groups)
     three = AutoencoderKLHunyuanVideo(**CONFIGS["three-no-attn"])
     save_file({k: v.contiguous() for k, v in three.state_dict().items()}, str(path))
@@ -333,28 +312,20 @@ def test_refuses_a_pickle_that_needs_code(tmp_path):
 @torch.no_grad()
 def test_cli_import_into_the_store(pairs, tmp_path):
     ref, _, config = pairs["wide"]
-    ref.save_pretrained(tmp_path / "pipe" / "vae")
-    command = [sys.executable, "-m", "app", "import", "hunyuan-video", str(tmp_path / "pipe")]
-    command += ["--name", "hy", "--models-dir", str(tmp_path / "store")]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    import_pretrained(tmp_path / "store", "hunyuan-video", {"hy": ref})
     manifest, decoder = load_model(tmp_path / "store", "hy", verify=True)
     assert manifest.family == "hunyuan-video" and manifest.config == config
     assert family_module("hunyuan-video").Decoder is hunyuan_video.Decoder
     z = latent(1, 16, 5, 2, 2, seed=10)
-    assert report("store entry", decoder.decode(z), ref.decode(z).sample) >= MIN_COS
+    check("store entry", decoder.decode(z), ref.decode(z).sample)
 
 
 def test_synthetic_is_deterministic_and_gates_in_bf16():
     config = hunyuan_video.SYNTHETIC["hunyuan-video-tiny"]
-    a, b = hunyuan_video.Decoder(config), hunyuan_video.Decoder(config)
-    hunyuan_video.init_synthetic(a, torch.Generator().manual_seed(0))
-    hunyuan_video.init_synthetic(b, torch.Generator().manual_seed(0))
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
-                                                 b.state_dict().values(), strict=True))  # fmt: skip
+    a, b = synthetic_twins(hunyuan_video, config, seed=0)
     json.dumps(config)
     z = a.probe_latent(torch.Generator().manual_seed(0))
     with torch.no_grad():
         exact = a.eval().decode(z)
         fast = b.eval().to(torch.bfloat16).decode(z.to(torch.bfloat16))
-    assert report("hunyuan-video-tiny bf16 vs fp32 (gate probe)", fast.float(), exact) >= 0.9999
+    check("hunyuan-video-tiny bf16 vs fp32 (gate probe)", fast.float(), exact, min_cos=0.9999)

@@ -9,11 +9,6 @@ CLI (``python -m app import hunyuan-video FOLDER --name hy``), then served in fl
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-import imageio_ffmpeg
 import numpy as np
 import pytest
 import torch
@@ -22,38 +17,31 @@ from diffusers.utils.remote_utils import remote_decode
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
-from tests.helpers import cosine
-from tests.live import live_server
+from tests.helpers import cosine, read_mp4, seeded
+from tests.live import import_pretrained, live_server
 
-ROOT = Path(__file__).resolve().parents[1]
 SCALE = 0.476986
 H, W = 5, 8  # latent cells: 40x64 pixels
-pytestmark = pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning"),
+]
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, one_thread):
     """(endpoint URL, diffusers oracle): the tiny VAE imported by the CLI, then served."""
-    tmp = tmp_path_factory.mktemp("hunyuan")
-    torch.manual_seed(40)
-    oracle = AutoencoderKLHunyuanVideo(
-        latent_channels=16, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
+    store = tmp_path_factory.mktemp("hunyuan") / "store"
+    oracle = seeded(
+        AutoencoderKLHunyuanVideo,
+        40,
+        latent_channels=16,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
         norm_num_groups=4,
-    ).eval()  # fmt: skip
-    oracle.save_pretrained(tmp / "pipe" / "vae")
-    command = [sys.executable, "-m", "app", "import", "hunyuan-video", str(tmp / "pipe")]
-    command += ["--name", "hy", "--models-dir", str(tmp / "store")]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    with live_server(tmp / "store", dtype="float32", device="cpu") as url:
+    )
+    import_pretrained(store, "hunyuan-video", {"hy": oracle})
+    with live_server(store, dtype="float32", device="cpu") as url:
         yield f"{url}/decode/hy", oracle
 
 
@@ -120,16 +108,12 @@ def test_output_type_mp4(world, t, tmp_path):
     z = latent(t, seed=5)
     data = remote_decode(url, z, scaling_factor=SCALE, output_type="mp4", return_type="mp4")
     assert isinstance(data, bytes)
-    path = tmp_path / "out.mp4"
-    path.write_bytes(data)
-    reader = imageio_ffmpeg.read_frames(str(path))
-    meta = next(reader)
-    frames = [np.frombuffer(f, np.uint8).reshape(8 * H, 8 * W, 3) for f in reader]
+    meta, frames = read_mp4(data, tmp_path)
     assert meta["size"] == (8 * W, 8 * H) and meta["fps"] == 24
     assert len(frames) == 1 + 4 * (t - 1)
     # H.264 (yuv420) is lossy on random-weight noise: the frames correlate with the oracle's,
     # not with another latent's
-    got = np.stack(frames).astype(float).ravel()
+    got = frames.astype(float).ravel()
     want, other = (_unit8(expected(oracle, x)) for x in (z, latent(t, seed=50)))
     same, different = np.corrcoef(got, want)[0, 1], np.corrcoef(got, other)[0, 1]
     print(f"mp4 T={t}: correlation {same:.3f} with the oracle, {different:.3f} with another")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -15,7 +16,18 @@ from app import timing
 from app.decoders import ltx
 from app.decoders.ltx.model import decoder_spec
 from app.timing import PhaseTimer
-from tests.helpers import latent, report
+from tests.helpers import (
+    decoder_state,
+    import_pair,
+    latent,
+    ltx_decode,
+    noise_scales_count,
+    report,
+    saved,
+    seeded,
+    synthetic_twins,
+    with_stats,
+)
 
 # a tiny encoder: diffusers always builds one, the tests never use it
 ENCODER = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1))
@@ -53,42 +65,20 @@ VARIANTS = {
 LATENT_CHANNELS = 8
 TIMESTEP = 0.05
 SEED = 7
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are tiny: thread wake-ups, not FLOPs, dominate with more threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
+# diffusers' decode at the tests' timestep, its noise seeded like ours
+reference_decode = partial(ltx_decode, timestep=TIMESTEP, seed=SEED)
 
 
 def make_pair(variant: str) -> tuple[AutoencoderKLLTXVideo, ltx.Decoder]:
     """A diffusers VAE with random weights and our decoder loaded from its state dict."""
     kwargs = VARIANTS[variant]
-    torch.manual_seed(0)
-    ref = AutoencoderKLLTXVideo(latent_channels=LATENT_CHANNELS, **ENCODER, **kwargs).eval()
-    with torch.no_grad():  # diffusers zero-inits the noise scales: make them count
-        for name, p in ref.decoder.named_parameters():
-            if "per_channel_scale" in name:
-                p.normal_(0, 0.1)
+    ref = seeded(AutoencoderKLLTXVideo, latent_channels=LATENT_CHANNELS, **ENCODER, **kwargs)
+    noise_scales_count(ref)
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
     ours = ltx.Decoder({"latent_channels": LATENT_CHANNELS, **config}).eval()
     ours.load_state_dict(decoder_state(ref))
     return ref, ours
-
-
-def decoder_state(ref: AutoencoderKLLTXVideo) -> dict[str, torch.Tensor]:
-    return {k[8:]: v for k, v in ref.state_dict().items() if k.startswith("decoder.")}
-
-
-def reference_decode(ref: AutoencoderKLLTXVideo, z: torch.Tensor) -> torch.Tensor:
-    """diffusers' decode; its noise comes from the global RNG, seeded like ours."""
-    temb = torch.full((z.shape[0],), TIMESTEP) if ref.config.timestep_conditioning else None
-    torch.manual_seed(SEED)
-    with torch.no_grad():
-        return ref.decode(z, temb).sample
 
 
 def clip(frames: int, h: int = 2, w: int = 3, batch: int = 1) -> torch.Tensor:
@@ -208,30 +198,16 @@ def test_geometry_and_timer():
 
 def test_synthetic_is_deterministic():
     config = ltx.SYNTHETIC["ltx-tiny"]
-    a, b = ltx.Decoder(config), ltx.Decoder(config)
-    ltx.init_synthetic(a, torch.Generator().manual_seed(3))
-    ltx.init_synthetic(b, torch.Generator().manual_seed(3))
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
-                                                 b.state_dict().values(), strict=True))  # fmt: skip
+    synthetic_twins(ltx, config, seed=3)
     json.dumps(config)  # a store manifest holds it
 
 
 # --- conversion ---------------------------------------------------------------------------
-def _with_stats(ref: AutoencoderKLLTXVideo) -> AutoencoderKLLTXVideo:
-    g = torch.Generator().manual_seed(5)
-    ref.latents_mean.copy_(torch.randn(LATENT_CHANNELS, generator=g))
-    ref.latents_std.copy_(torch.rand(LATENT_CHANNELS, generator=g) + 0.5)
-    return ref
-
-
 @pytest.mark.parametrize("variant", ["v090", "v091"])
 def test_convert_diffusers_folder(variant, tmp_path):
     ref, _ = make_pair(variant)
-    _with_stats(ref).save_pretrained(tmp_path / "pipe" / "vae")
-    config, state = ltx.convert(tmp_path / "pipe")  # a pipeline folder holding vae/
+    _, ours, config = import_pair(with_stats(ref), ltx, tmp_path / "pipe")
     assert ltx.convert(tmp_path / "pipe" / "vae")[0] == config
-    ours = ltx.Decoder(json.loads(json.dumps(config))).eval()  # the config survives JSON
-    ours.load_state_dict(state)
     z = clip(2)
     got = ours.decode(z, timestep=TIMESTEP, seed=SEED)
     assert report(f"{variant} converted", got, reference_decode(ref, z)) >= 0.99999
@@ -285,8 +261,7 @@ def _original_name(key: str, blocks: list[tuple[str, list]]) -> str:
 
 @pytest.mark.parametrize("variant", ["v090", "v091", "residual-p2"])
 def test_convert_lightricks_single_file(variant, tmp_path):
-    ref, _ = make_pair(variant)
-    _with_stats(ref)
+    ref = with_stats(make_pair(variant)[0])
     tensors, meta = lightricks_checkpoint(ref)
     if variant != "residual-p2":  # diffusers' own converter knows only the released layouts
         theirs = convert_ltx_vae_checkpoint_to_diffusers(dict(tensors))
@@ -296,7 +271,7 @@ def test_convert_lightricks_single_file(variant, tmp_path):
     path = tmp_path / "ltx-video.safetensors"
     save_file(tensors, str(path), metadata={"config": json.dumps(meta)})
     config, state = ltx.convert(path)
-    folder_config, folder_state = ltx.convert(_saved(ref, tmp_path / "vae"))
+    folder_config, folder_state = ltx.convert(saved(ref, tmp_path / "vae"))
     assert state.keys() == folder_state.keys()
     assert all(torch.equal(state[k], folder_state[k]) for k in state)
     assert decoder_spec(config) == decoder_spec(folder_config)
@@ -304,8 +279,3 @@ def test_convert_lightricks_single_file(variant, tmp_path):
     if variant != "residual-p2":  # without embedded config: "residual iff factor 2" holds
         save_file(tensors, str(path))
         assert decoder_spec(ltx.convert(path)[0]) == decoder_spec(folder_config)
-
-
-def _saved(ref: AutoencoderKLLTXVideo, folder):
-    ref.save_pretrained(folder)
-    return folder

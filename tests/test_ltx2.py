@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -15,7 +16,19 @@ from app import timing
 from app.decoders import ltx
 from app.decoders.ltx.ltx2 import LTX2Decoder, ltx2_spec
 from app.timing import PhaseTimer
-from tests.helpers import latent, report
+from tests.helpers import (
+    decoder_from,
+    decoder_state,
+    import_pair,
+    latent,
+    ltx_decode,
+    noise_scales_count,
+    report,
+    saved,
+    seeded,
+    synthetic_twins,
+    with_stats,
+)
 
 # a tiny encoder (diffusers always builds one); 3 scaling stages, so its compression ratio
 # (which diffusers' tiling sizes tiles by) is the released decoder's 32
@@ -62,14 +75,9 @@ VARIANTS = {
 LATENT_CHANNELS = 8
 TIMESTEP = 0.05
 SEED = 7
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
+# diffusers' decode at the tests' timestep (unless a test says otherwise), its noise seeded like ours
+reference_decode = partial(ltx_decode, timestep=TIMESTEP, seed=SEED)
 
 
 def _config(ref: AutoencoderKLLTX2Video) -> dict:
@@ -79,27 +87,12 @@ def _config(ref: AutoencoderKLLTX2Video) -> dict:
 
 
 def make_pair(variant: str) -> tuple[AutoencoderKLLTX2Video, ltx.Decoder]:
-    torch.manual_seed(0)
-    ref = AutoencoderKLLTX2Video(latent_channels=LATENT_CHANNELS, **ENCODER, **VARIANTS[variant])
-    ref.eval()
-    with torch.no_grad():  # diffusers zero-inits the noise scales: make them count
-        for name, p in ref.decoder.named_parameters():
-            if "per_channel_scale" in name:
-                p.normal_(0, 0.1)
+    config = dict(latent_channels=LATENT_CHANNELS, **ENCODER, **VARIANTS[variant])
+    ref = seeded(AutoencoderKLLTX2Video, **config)
+    noise_scales_count(ref)
     ours = ltx.Decoder(_config(ref)).eval()
     ours.load_state_dict(decoder_state(ref))
     return ref, ours
-
-
-def decoder_state(ref: AutoencoderKLLTX2Video) -> dict[str, torch.Tensor]:
-    return {k[8:]: v for k, v in ref.state_dict().items() if k.startswith("decoder.")}
-
-
-def reference_decode(ref: AutoencoderKLLTX2Video, z: torch.Tensor, t: float = TIMESTEP):
-    temb = torch.full((z.shape[0],), t) if ref.config.timestep_conditioning else None
-    torch.manual_seed(SEED)
-    with torch.no_grad():
-        return ref.decode(z, temb).sample
 
 
 def clip(frames: int, h: int = 3, w: int = 4, batch: int = 1) -> torch.Tensor:
@@ -154,7 +147,7 @@ def test_timestep_default_and_effect():
     z = clip(1)
     assert torch.equal(ours.decode(z, seed=SEED), ours.decode(z, timestep=0.0, seed=SEED))
     got = ours.decode(z, timestep=0.5, seed=SEED)
-    assert report("timestep=0.5", got, reference_decode(ref, z, 0.5)) >= 0.99999
+    assert report("timestep=0.5", got, reference_decode(ref, z, timestep=0.5)) >= 0.99999
 
 
 def test_tiled_is_blended_within_bound():
@@ -205,28 +198,15 @@ def test_geometry_stages_and_dispatch():
 
 def test_synthetic_is_deterministic_and_json():
     config = ltx.SYNTHETIC["ltx2-tiny"]
-    a, b = ltx.Decoder(config), ltx.Decoder(config)
-    ltx.init_synthetic(a, torch.Generator().manual_seed(3))
-    ltx.init_synthetic(b, torch.Generator().manual_seed(3))
-    assert all(
-        torch.equal(x, y)
-        for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
-    )
+    synthetic_twins(ltx, config, seed=3)
     assert json.loads(json.dumps(config)) == config
 
 
 # --- conversion ---------------------------------------------------------------------------
-def _with_stats(ref: AutoencoderKLLTX2Video) -> AutoencoderKLLTX2Video:
-    g = torch.Generator().manual_seed(5)
-    ref.latents_mean.copy_(torch.randn(LATENT_CHANNELS, generator=g))
-    ref.latents_std.copy_(torch.rand(LATENT_CHANNELS, generator=g) + 0.5)
-    return ref
-
-
-def _check_converted(ref, config, state, name):
-    ours = ltx.Decoder(json.loads(json.dumps(config))).eval()  # the config survives JSON
+def _check_converted(ref: AutoencoderKLLTX2Video, ours: ltx.Decoder, config: dict, name: str):
+    """``ours``, converted from ``ref``, is an LTX-2 decoder that decodes and de-normalizes
+    as diffusers does."""
     assert type(ours) is LTX2Decoder and config["version"] == "ltx2"
-    ours.load_state_dict(state)
     z = clip(2)
     got = ours.decode(z, timestep=TIMESTEP, seed=SEED)
     assert report(f"{name} converted", got, reference_decode(ref, z)) >= 0.99999
@@ -238,11 +218,10 @@ def _check_converted(ref, config, state, name):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_convert_diffusers_folder(variant, tmp_path):
-    ref, _ = make_pair(variant)
-    _with_stats(ref).save_pretrained(tmp_path / "pipe" / "vae")
-    config, state = ltx.convert(tmp_path / "pipe")  # a pipeline folder holding vae/
+    ref = with_stats(make_pair(variant)[0])
+    _, ours, config = import_pair(ref, ltx, tmp_path / "pipe")
     assert ltx.convert(tmp_path / "pipe" / "vae")[0] == config
-    _check_converted(ref, config, state, variant)
+    _check_converted(ref, ours, config, variant)
 
 
 def lightricks_file(ref: AutoencoderKLLTX2Video, extra: dict | None = None) -> tuple[dict, dict]:
@@ -312,8 +291,7 @@ AUDIO_PARTS = {
 
 @pytest.mark.parametrize("variant", ["released", "kinds-causal", "noscale-replicate"])
 def test_convert_lightricks_single_file(variant, tmp_path):
-    ref, _ = make_pair(variant)
-    _with_stats(ref)
+    ref = with_stats(make_pair(variant)[0])
     tensors, meta = lightricks_file(ref, AUDIO_PARTS)  # a full checkpoint: audio parts too
     if variant == "released":  # diffusers' own converter agrees on every decoder name
         theirs = convert_ltx2_vae_to_diffusers(
@@ -325,13 +303,8 @@ def test_convert_lightricks_single_file(variant, tmp_path):
     path = tmp_path / "ltx-2-19b-dev.safetensors"
     save_file(tensors, str(path), metadata=meta)
     config, state = ltx.convert(path)
-    folder_config, folder_state = ltx.convert(_saved(ref, tmp_path / "vae"))
+    folder_config, folder_state = ltx.convert(saved(ref, tmp_path / "vae"))
     assert state.keys() == folder_state.keys()
     assert all(torch.equal(state[k], folder_state[k]) for k in state)
     assert ltx2_spec(config) == ltx2_spec(folder_config)
-    _check_converted(ref, config, state, f"{variant} single file")
-
-
-def _saved(ref, folder):
-    ref.save_pretrained(folder)
-    return folder
+    _check_converted(ref, decoder_from(ltx, config, state), config, f"{variant} single file")

@@ -19,6 +19,7 @@ from app.cli import main
 from app.decoders import ltx
 from app.decoders.ltx.ltx2 import LTX2Decoder
 from app.store import load_model
+from tests.helpers import seeded
 from tests.test_ltx2 import AUDIO_PARTS, lightricks_file
 
 _TINY = {
@@ -44,10 +45,14 @@ LTX2_ONLY_CONFIG = (
 )
 
 
+def tiny(variant: str = "released") -> AutoencoderKLLTX2Video:
+    """A ``TINY_LTX2`` VAE, its random weights seeded with 0."""
+    return seeded(AutoencoderKLLTX2Video, **TINY_LTX2[variant])
+
+
 @pytest.fixture(scope="module", params=list(TINY_LTX2))
 def ltx2(request) -> AutoencoderKLLTX2Video:
-    torch.manual_seed(0)
-    return AutoencoderKLLTX2Video(**TINY_LTX2[request.param]).eval()
+    return tiny(request.param)
 
 
 # --- imported -----------------------------------------------------------------------------
@@ -69,8 +74,7 @@ def test_cli_imports_a_diffusers_folder_as_ltx2(ltx2, tmp_path):
 def test_full_single_file_imports_the_video_decoder_only(tmp_path):
     """ltx-2-*.safetensors: transformer, video VAE, audio VAE, vocoder; only the video
     decoder's tensors reach the state dict."""
-    torch.manual_seed(0)
-    ref = AutoencoderKLLTX2Video(**TINY_LTX2["released"]).eval()
+    ref = tiny()
     tensors, meta = lightricks_file(ref, AUDIO_PARTS)
     save_file(tensors, str(tmp_path / "ltx-2.safetensors"), metadata=meta)
     config, state = ltx.convert(tmp_path / "ltx-2.safetensors")
@@ -80,8 +84,7 @@ def test_full_single_file_imports_the_video_decoder_only(tmp_path):
 
 # --- still refused ------------------------------------------------------------------------
 def test_folder_with_ltx2_weights_but_no_class_name_is_refused(tmp_path):
-    torch.manual_seed(0)
-    AutoencoderKLLTX2Video(**TINY_LTX2["factor-1"]).save_pretrained(tmp_path)
+    tiny("factor-1").save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     for key in LTX2_ONLY_CONFIG:
         config.pop(key)
@@ -115,8 +118,7 @@ def _ltx2_file(ltx2, tmp_path, vae: dict | None, extra: dict | None = None):
 
 
 def test_single_file_without_its_config_is_refused(tmp_path):
-    torch.manual_seed(0)
-    ref = AutoencoderKLLTX2Video(**TINY_LTX2["released"]).eval()
+    ref = tiny()
     with pytest.raises(ValueError, match="tensors under 'audio_vae.'.*without its embedded"):
         ltx.convert(_ltx2_file(ref, tmp_path, {}))
 
@@ -129,15 +131,13 @@ def test_single_file_without_its_config_is_refused(tmp_path):
     ],
 )
 def test_single_file_other_vaes_are_refused(vae, match, tmp_path):
-    torch.manual_seed(0)
-    ref = AutoencoderKLLTX2Video(**TINY_LTX2["released"]).eval()
+    ref = tiny()
     with pytest.raises(ValueError, match=match):
         ltx.convert(_ltx2_file(ref, tmp_path, vae))
 
 
 def test_single_file_with_res_x_y_or_attention_blocks_is_refused(tmp_path):
-    torch.manual_seed(0)
-    ref = AutoencoderKLLTX2Video(**TINY_LTX2["released"]).eval()
+    ref = tiny()
     blocks = json.loads(lightricks_file(ref)[1]["config"])["vae"]["decoder_blocks"]
     vae = {"decoder_blocks": [["res_x_y", {"multiplier": 2}], ["attn", {}], *blocks]}
     with pytest.raises(ValueError, match="'attn' .*'res_x_y' \\(its norm3 is GroupNorm"):
@@ -145,8 +145,7 @@ def test_single_file_with_res_x_y_or_attention_blocks_is_refused(tmp_path):
 
 
 def test_unknown_decoder_tensors_are_refused(tmp_path):
-    torch.manual_seed(0)
-    ref = AutoencoderKLLTX2Video(**TINY_LTX2["released"]).eval()
+    ref = tiny()
     extra = {"vae.decoder.up_blocks.2.res_blocks.0.mystery.weight": torch.zeros(3)}
     with pytest.raises(ValueError, match="unexpected.*mystery"):
         ltx.convert(_ltx2_file(ref, tmp_path, None, extra))

@@ -19,16 +19,10 @@ timestep 0.0: a diffusers folder has no ``decode_timestep``).
 from __future__ import annotations
 
 import io
-import json
-import math
 import re
-import subprocess
-import sys
 import time
 from functools import partial
-from pathlib import Path
 
-import imageio_ffmpeg
 import numpy as np
 import pytest
 import requests
@@ -42,14 +36,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app import video
 from tests import helpers
-from tests.helpers import latent, psnr
-from tests.live import live_server
+from tests.helpers import (
+    MP4_MIN_PSNR,
+    diffusers_frames,
+    latent,
+    ltx_decode,
+    probe,
+    psnr,
+    read_mp4,
+    served_ltx,
+)
+from tests.live import import_pretrained, live_server, post, tensor_of, timed_phases
 from tests.test_ltx import ENCODER, LATENT_CHANNELS, V091_BLOCKS
 
 # pt answers against the oracle: same shape, float32 on the wire, cos >= 0.99999
 check = partial(helpers.check, dtype=torch.float32)
 
-ROOT = Path(__file__).resolve().parents[1]
 C = LATENT_CHANNELS
 MODELS = {
     "ltx-091": dict(
@@ -66,147 +68,24 @@ MODELS = {
         patch_size=3,
     ),
 }
-MIN_PSNR = 30.0  # dB: H.264 crf 18 yuv420p MP4 frames against diffusers' uint8 frames
-# remote_decode warns that do_scaling is deprecated whenever it sends it (its default)
-pytestmark = pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors: thread wake-ups, not FLOPs, dominate with more threads (the server
-    runs in this process, so this holds for its worker too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    # remote_decode warns that do_scaling is deprecated whenever it sends it (its default)
+    pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning"),
+]
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, one_thread):
     """(base URL, {name: diffusers oracle}): both models imported by the CLI, then served."""
-    tmp = tmp_path_factory.mktemp("ltx")
-    store = tmp / "store"
-    oracles, imports = {}, []
-    for i, (name, kwargs) in enumerate(MODELS.items()):
-        oracles[name] = reference(kwargs, seed=20 + i)
-        oracles[name].save_pretrained(tmp / name / "vae")
-        command = [sys.executable, "-m", "app", "import", "ltx", str(tmp / name)]
-        command += ["--name", name, "--models-dir", str(store)]
-        imports.append(
-            subprocess.Popen(
-                command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    for proc in imports:  # both in parallel: most of their time is importing torch
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
+    store = tmp_path_factory.mktemp("ltx") / "store"
+    oracles = {
+        name: served_ltx(AutoencoderKLLTXVideo, 20 + i, latent_channels=C, **ENCODER, **kwargs)
+        for i, (name, kwargs) in enumerate(MODELS.items())
+    }
+    import_pretrained(store, "ltx", oracles)
     with live_server(store, dtype="float32", device="cpu") as url:
         yield url, oracles
-
-
-@torch.no_grad()
-def reference(kwargs: dict, seed: int) -> AutoencoderKLLTXVideo:
-    """A random diffusers LTX VAE: noise scales made to count (diffusers zero-inits them),
-    latent stats that are not the identity, and a head a video codec can hold."""
-    torch.manual_seed(seed)
-    vae = AutoencoderKLLTXVideo(latent_channels=C, **ENCODER, **kwargs).eval()
-    for name, p in vae.decoder.named_parameters():
-        if "per_channel_scale" in name:
-            p.normal_(0, 0.1)
-    vae.latents_mean.normal_(0, 0.5)
-    vae.latents_std.uniform_(0.5, 1.5)
-    smooth_head(vae.decoder.conv_out.conv, vae.config.patch_size)
-    return vae
-
-
-@torch.no_grad()
-def smooth_head(conv: torch.nn.Conv3d, p: int) -> None:
-    """Make ``conv_out`` paint each p x p pixel patch as a mostly gray level plus one ramp
-    along x and one along y (and a 10% colour tint), from its own random weights.
-
-    Random heads paint per-pixel colour noise, which yuv420p's 2x2 chroma cannot hold
-    (17 dB after H.264 crf 18, measured), so an MP4-vs-frames PSNR floor would say nothing.
-    This head gives 33-40 dB here. The x and y ramps differ, so the pt parity still checks
-    how unpatchify orders the patch offsets (channel = colour * p * p + x * p + y).
-    """
-    w = torch.cat([conv.weight.flatten(1), conv.bias[:, None]], 1).view(3, p, p, -1)
-    ramp = torch.cos(math.pi * (torch.arange(p) + 0.5) / p)
-    gray = w[:1, :1, :1]
-    along_x = 0.3 * w[:1, 1 % p : 1 % p + 1, :1] * ramp.view(1, p, 1, 1)
-    along_y = 0.3 * w[:1, :1, 1 % p : 1 % p + 1] * ramp.view(1, 1, p, 1)
-    painted = 0.7 * (gray + along_x + along_y + 0.1 * w[:, :1, :1])  # 0.7: a softer contrast
-    painted = painted.expand_as(w).reshape(3 * p * p, -1)
-    conv.weight.copy_(painted[:, :-1].view_as(conv.weight))
-    conv.bias.copy_(painted[:, -1])
-
-
-def oracle(
-    vae: AutoencoderKLLTXVideo,
-    z: torch.Tensor,
-    timestep: float = 0.0,
-    seed: int = 0,
-    scaled: bool = False,
-) -> torch.Tensor:
-    """diffusers' decode (``scaled``: after LTXPipeline's latent de-normalization)."""
-    if scaled:
-        z = LTXPipeline._denormalize_latents(
-            z, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
-        )
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        return vae.decode(z, torch.full((z.shape[0],), timestep)).sample
-
-
-def diffusers_frames(decoded: torch.Tensor) -> np.ndarray:
-    """diffusers' own uint8 frames ``[T,H,W,3]`` of one video, as LTXPipeline makes them."""
-    frames = VideoProcessor().postprocess_video(decoded, output_type="pil")[0]
-    return np.stack([np.asarray(f) for f in frames])
-
-
-def post(url: str, model: str, z: torch.Tensor, accept: str | None = None, **params):
-    query = {"shape": json.dumps(list(z.shape)), "dtype": "float32"}
-    query.update({k: str(v) for k, v in params.items()})
-    headers = {"Content-Type": "tensor/binary"}
-    if accept:
-        headers["Accept"] = accept
-    r = requests.post(
-        f"{url}/decode/{model}",
-        params=query,
-        data=z.numpy().tobytes(),
-        headers=headers,
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    return r
-
-
-def tensor_of(r: requests.Response) -> torch.Tensor:
-    assert r.headers["dtype"] == "float32"
-    data = torch.frombuffer(bytearray(r.content), dtype=torch.float32)
-    return data.reshape(json.loads(r.headers["shape"]))
-
-
-def read_mp4(data: bytes, tmp_path: Path, name: str = "out.mp4") -> tuple[dict, np.ndarray]:
-    path = tmp_path / name
-    path.write_bytes(data)
-    reader = imageio_ffmpeg.read_frames(str(path))
-    meta = next(reader)
-    w, h = meta["size"]
-    return meta, np.stack([np.frombuffer(f, np.uint8).reshape(h, w, 3) for f in reader])
-
-
-def probe(data: bytes, tmp_path: Path) -> str:
-    """What imageio-ffmpeg's ffmpeg says about the stream (``ffmpeg -i``, its ffprobe)."""
-    path = tmp_path / "probe.mp4"
-    path.write_bytes(data)
-    exe = imageio_ffmpeg.get_ffmpeg_exe()
-    return subprocess.run(
-        [exe, "-hide_banner", "-i", str(path)], capture_output=True, text=True
-    ).stderr
-
-
-def phases(r: requests.Response) -> set[str]:
-    return {p.split(";")[0].strip() for p in r.headers["Server-Timing"].split(",")}
 
 
 def phase_counts(url: str, model: str) -> dict[str, float]:
@@ -244,7 +123,7 @@ def test_mp4_matches_diffusers_frames(world, tmp_path):
     (g) the stages are in Server-Timing, and /metrics gets them plus an ``encode`` phase."""
     url, oracles = world
     z = latent(1, C, 3, 3, 4, seed=2)
-    expected = diffusers_frames(oracle(oracles["ltx-091"], z))
+    expected = diffusers_frames(ltx_decode(oracles["ltx-091"], z))
     assert expected.shape == (17, 96, 128, 3)
     before = phase_counts(url, "ltx-091").get("encode", 0)
     timings = []
@@ -257,9 +136,9 @@ def test_mp4_matches_diffusers_frames(world, tmp_path):
         assert meta["size"] == (128, 96) and meta["fps"] == (fps or 25)
         quality = psnr(got, expected)
         print(f"mp4 fps={fps}: {quality:.1f} dB vs diffusers' uint8 frames")
-        assert quality >= MIN_PSNR
+        assert quality >= MP4_MIN_PSNR
         timings.append(r.headers["Server-Timing"])
-        assert STAGES <= phases(r), r.headers["Server-Timing"]
+        assert STAGES <= timed_phases(r), r.headers["Server-Timing"]
     # the MP4 is produced while it streams, after the headers left: its encode phase (and
     # the request's metrics) are recorded once the body is done, so poll for them
     deadline = time.monotonic() + 10
@@ -283,11 +162,11 @@ def test_remote_decode_mp4(world, tmp_path):
     info = probe(data, tmp_path)
     assert re.search(r"Video: h264 .*yuv420p.*128x96.*25 fps", info), info
     meta, got = read_mp4(data, tmp_path)
-    expected = diffusers_frames(oracle(oracles["ltx-091"], z, scaled=True))
+    expected = diffusers_frames(ltx_decode(oracles["ltx-091"], z, pipeline=LTXPipeline))
     assert got.shape == expected.shape == (9, 96, 128, 3)
     quality = psnr(got, expected)
     print(f"remote_decode mp4: {quality:.1f} dB vs diffusers' uint8 frames")
-    assert quality >= MIN_PSNR
+    assert quality >= MP4_MIN_PSNR
 
 
 def test_remote_decode_video_pil(world):
@@ -295,7 +174,7 @@ def test_remote_decode_video_pil(world):
     [0,1], turned into PIL frames that equal diffusers' own to one level."""
     url, oracles = world
     z = latent(1, C, 2, 2, 3, seed=4)
-    decoded = oracle(oracles["ltx-091"], z)
+    decoded = ltx_decode(oracles["ltx-091"], z)
     endpoint = f"{url}/decode/ltx-091"
     unit = remote_decode(
         endpoint,
@@ -329,14 +208,14 @@ def test_pt_and_timestep(world):
         r = post(url, "ltx-091", z, output_type="pt", timestep=t)
         outs[t] = tensor_of(r)
         assert outs[t].shape == (2, 3, 9, 64, 96)
-        check(f"pt timestep={t}", outs[t], oracle(vae, z, timestep=t))
-        assert STAGES | {"parse", "queue", "encode"} <= phases(r), r.headers["Server-Timing"]
+        check(f"pt timestep={t}", outs[t], ltx_decode(vae, z, timestep=t))
+        assert STAGES | {"parse", "queue", "encode"} <= timed_phases(r), r.headers["Server-Timing"]
     assert (outs[0.05] - outs[0.7]).abs().max() > 1e-2
     default = tensor_of(post(url, "ltx-091", z, output_type="pt"))
-    check("pt default timestep (0.0)", default, oracle(vae, z, timestep=0.0))
+    check("pt default timestep (0.0)", default, ltx_decode(vae, z, timestep=0.0))
     # remote_decode's pt path (do_scaling on: the model's latent mean/std)
     got = remote_decode(f"{url}/decode/ltx-091", z, output_type="pt", return_type="pt")
-    check("remote_decode pt do_scaling", got, oracle(vae, z, scaled=True))
+    check("remote_decode pt do_scaling", got, ltx_decode(vae, z, pipeline=LTXPipeline))
 
 
 def test_seed_makes_noise_deterministic(world):
@@ -350,8 +229,8 @@ def test_seed_makes_noise_deterministic(world):
     assert b != a
     first, second = (tensor_of(post(url, "ltx-091", z, output_type="pt", seed=s)) for s in (5, 6))
     assert (first - second).abs().max() > 1e-3
-    check("pt seed=5", first, oracle(oracles["ltx-091"], z, seed=5))
-    check("pt seed=6", second, oracle(oracles["ltx-091"], z, seed=6))
+    check("pt seed=5", first, ltx_decode(oracles["ltx-091"], z, seed=5))
+    check("pt seed=6", second, ltx_decode(oracles["ltx-091"], z, seed=6))
 
 
 def test_odd_frame_size(world, tmp_path):
@@ -360,7 +239,7 @@ def test_odd_frame_size(world, tmp_path):
     url, oracles = world
     vae = oracles["ltx-odd"]
     z = latent(1, C, 3, 7, 9, seed=7)
-    decoded = oracle(vae, z)
+    decoded = ltx_decode(vae, z)
     got = tensor_of(post(url, "ltx-odd", z, output_type="pt"))
     assert got.shape == (1, 3, 3, 21, 27)
     check("odd pt", got, decoded)
@@ -371,13 +250,13 @@ def test_odd_frame_size(world, tmp_path):
     padded = np.stack([video.even_frame(f) for f in expected])
     quality = psnr(frames[:, :21, :27], expected)
     print(f"odd mp4: {quality:.1f} dB vs diffusers' frames, {psnr(frames, padded):.1f} dB padded")
-    assert quality >= MIN_PSNR and psnr(frames, padded) >= MIN_PSNR
+    assert quality >= MP4_MIN_PSNR and psnr(frames, padded) >= MP4_MIN_PSNR
     one = latent(1, C, 1, 5, 7, seed=8)
     image = remote_decode(
         f"{url}/decode/ltx-odd", one, do_scaling=False, output_type="pil", image_format="png"
     )
     assert image.format == "png" and image.size == (21, 15)
-    diff = np.abs(np.asarray(image).astype(int) - diffusers_frames(oracle(vae, one))[0]).max()
+    diff = np.abs(np.asarray(image).astype(int) - diffusers_frames(ltx_decode(vae, one))[0]).max()
     assert diff <= 1
 
 
@@ -385,7 +264,7 @@ def test_single_frame_as_png(world):
     """(f) one latent frame decodes to one frame, and may be asked for as an image."""
     url, oracles = world
     z = latent(1, C, 1, 3, 4, seed=9)
-    expected = diffusers_frames(oracle(oracles["ltx-091"], z))
+    expected = diffusers_frames(ltx_decode(oracles["ltx-091"], z))
     assert expected.shape == (1, 96, 128, 3)
     image = remote_decode(
         f"{url}/decode/ltx-091", z, do_scaling=False, output_type="pil", image_format="png"
@@ -396,7 +275,7 @@ def test_single_frame_as_png(world):
     assert diff <= 1
     r = post(url, "ltx-091", z, image_format="png")  # the plain request, no Accept
     assert r.headers["content-type"] == "image/png"
-    assert STAGES <= phases(r)
+    assert STAGES <= timed_phases(r)
     # a 4-D image latent [B,C,H,W] is the same single frame
     r = post(url, "ltx-091", z[:, :, 0], image_format="png")
     assert r.headers["content-type"] == "image/png" and r.content[:8] == b"\x89PNG\r\n\x1a\n"

@@ -18,7 +18,7 @@ from app.decoders.minimax_h3 import schedule
 from app.decoders.minimax_h3.convert import config_from_diffusers
 from app.decoders.minimax_h3.model import ImageDecoder
 from app.timing import PhaseTimer
-from tests.helpers import check, cosine, latent
+from tests.helpers import check, cosine, latent, seeded
 
 C = 4  # latent channels of the tiny test configs
 
@@ -40,8 +40,9 @@ class SeedImageRope(nn.Module):
 
 def reference(image: bool = False, layers: int = 2, seed: int = 0) -> AutoencoderKLMiniMaxH3:
     """A tiny oracle with every decoder weight random (layer scales non-zero)."""
-    torch.manual_seed(seed)
-    vae = AutoencoderKLMiniMaxH3(
+    vae = seeded(
+        AutoencoderKLMiniMaxH3,
+        seed,
         latent_channels=C,
         block_out_channels=(8, 8, 8, 8),
         layers_per_block=1,
@@ -54,7 +55,7 @@ def reference(image: bool = False, layers: int = 2, seed: int = 0) -> Autoencode
         decoder_num_register_tokens=4,
         latents_mean=(0.1, -0.2, 0.3, 0.0),
         latents_std=(0.5, 1.5, 1.0, 2.0),
-    ).eval()
+    )
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for name, p in vae.named_parameters():

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
-import imageio_ffmpeg
 import numpy as np
 import pytest
 import requests
@@ -34,8 +31,8 @@ from app.decoders.minimax_h3.convert import config_from_diffusers
 from app.decoders.minimax_h3.schedule import clip_plan, split_tiles
 from app.store import load_model, write_model
 from tests import helpers
-from tests.helpers import latent, psnr
-from tests.live import bake, live_server
+from tests.helpers import MP4_MIN_PSNR, latent, psnr, read_mp4
+from tests.live import bake, import_pretrained, live_server, post, tensor_of, timed_phases
 from tests.test_minimax_h3 import C, SeedImageRope, original_file, reference
 
 # pt answers against the oracle: same shape, float32 on the wire, cos >= 0.99999
@@ -44,9 +41,7 @@ check = partial(helpers.check, dtype=torch.float32)
 # remote_decode's default do_scaling=True (used on purpose below) warns of its deprecation
 pytestmark = pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning")
 
-ROOT = Path(__file__).resolve().parents[1]
 KEEP = ("decoder.", "post_quant_conv.")
-MIN_PSNR = 30.0  # dB: H.264 crf 18 yuv420p MP4 frames against the decoded uint8 frames
 SAME_PSNR = 45.0  # dB: the service's MP4 against the same frames encoded here (near identical)
 
 
@@ -58,16 +53,7 @@ def world(tmp_path_factory):
 
     # 1. diffusers layout, imported by the CLI as a user would
     from_folder = reference(seed=11)
-    from_folder.save_pretrained(tmp / "pipe" / "vae")
-    done = subprocess.run(
-        [sys.executable, "-m", "app", "import", "minimax-h3", str(tmp / "pipe")]
-        + ["--name", "mm-diffusers", "--models-dir", str(store)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    import_pretrained(store, "minimax-h3", {"mm-diffusers": from_folder})
 
     # 2. the seed's fused layout (config in the vvae.config_json tensor), other weights, and
     # a head that paints content a video codec can hold (see smooth_head)
@@ -166,15 +152,6 @@ def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
     """Decoder output ``[1,3,T,H,W]`` -> uint8 ``[T,H,W,3]``, rounded as the service does."""
     unit = to_unit(video)[0].permute(1, 2, 3, 0)
     return (unit * 255).round().clamp(0, 255).to(torch.uint8).numpy()
-
-
-def read_mp4(data: bytes, tmp_path: Path, name: str = "out.mp4") -> tuple[dict, np.ndarray]:
-    path = tmp_path / name
-    path.write_bytes(data)
-    reader = imageio_ffmpeg.read_frames(str(path))
-    meta = next(reader)
-    w, h = meta["size"]
-    return meta, np.stack([np.frombuffer(f, np.uint8).reshape(h, w, 3) for f in reader])
 
 
 def reencoded(frames: np.ndarray, fps: float, tmp_path: Path) -> np.ndarray:
@@ -279,22 +256,15 @@ def test_multi_tile_multi_chunk_video(world, tmp_path):
     assert len(clip_plan(8, 4).clips) == 2
     with torch.no_grad():
         expected = vae.decode(z).sample
-    endpoint = f"{url}/decode/mm-fused"
-    query = {"output_type": "pt", "shape": json.dumps(list(z.shape)), "dtype": "float32"}
-    raw = z.numpy().tobytes()
-    headers = {"Content-Type": "tensor/binary"}
-    r = requests.post(endpoint, params=query, data=raw, headers=headers, timeout=120)
-    assert r.status_code == 200, r.text
-    shape = json.loads(r.headers["shape"])
-    got = torch.frombuffer(bytearray(r.content), dtype=torch.float32).reshape(shape)
-    assert shape == [1, 3, 26, 288, 320]
+    r = post(url, "mm-fused", z, output_type="pt")
+    got = tensor_of(r)
+    assert list(got.shape) == [1, 3, 26, 288, 320]
     check("2x2 tiles, 2 clips pt", got, expected)
-    phases = {p.split(";")[0].strip() for p in r.headers["Server-Timing"].split(",")}
-    assert {"embed", "blocks", "head", "unpatchify", "tile_blend", "chunk_blend"} <= phases
+    phases = {"embed", "blocks", "head", "unpatchify", "tile_blend", "chunk_blend"}
+    assert phases <= timed_phases(r)
 
-    query = {**query, "output_type": "mp4", "fps": "12"}
-    r = requests.post(endpoint, params=query, data=raw, headers=headers, timeout=120)
-    assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"
+    r = post(url, "mm-fused", z, output_type="mp4", fps=12)
+    assert r.headers["content-type"] == "video/mp4"
     meta, frames = read_mp4(r.content, tmp_path)
     assert frames.shape == (26, 288, 320, 3)
     assert meta["size"] == (320, 288) and meta["fps"] == 12
@@ -303,7 +273,7 @@ def test_multi_tile_multi_chunk_video(world, tmp_path):
     print(
         f"2x2 tiles, 2 clips mp4: vs pt frames {quality:.1f} dB, vs them encoded here {same:.1f} dB"
     )
-    assert quality >= MIN_PSNR and same >= SAME_PSNR
+    assert quality >= MP4_MIN_PSNR and same >= SAME_PSNR
 
 
 def test_single_frame_as_png(world):

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import io
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,9 +20,9 @@ import torch.nn.functional as F
 from diffusers.utils.remote_utils import remote_decode
 from PIL import Image
 
-from tests.conftest import ROOT, shared_path
+from tests.conftest import shared_path
 from tests.helpers import psnr
-from tests.live import live_server
+from tests.live import cli_import, live_server
 from tests.taef2_encoder import load_encoder
 
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png"]
@@ -41,12 +39,8 @@ def server(tmp_path_factory) -> str:
     """The real checkpoint imported by the CLI into a fresh store, served on loopback."""
     weights = shared_path("weights", "taef2", "taef2_decoder.pth")
     store = tmp_path_factory.mktemp("taef2-store")
-    cmd = [sys.executable, "-m", "app", "import", "taesd", str(weights), "--name", "taef2"]
-    done = subprocess.run(
-        [*cmd, "--models-dir", str(store)], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    print(done.stdout.strip())
+    (stdout,) = cli_import(store, ("taesd", weights, "taef2"))
+    print(stdout.strip())
     assert (store / "taef2").is_dir()
     with live_server(store, default_model="taef2") as url:
         ready = requests.get(f"{url}/readyz", timeout=5)

@@ -9,6 +9,7 @@ diffusers' own ``convert_wan_vae_to_diffusers`` where it knows them (Wan 2.1).
 from __future__ import annotations
 
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -17,9 +18,9 @@ from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 from safetensors.torch import save_file
 
 from app.decoders import wan
-from app.decoders.ops import cosine
+from tests import helpers
+from tests.helpers import check, cosine, import_pair, seeded, synthetic_twins
 
-MIN_COS = 0.99999
 _WAN21 = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
 CONFIGS = {
     "wan2.1": (AutoencoderKLWan, _WAN21),
@@ -52,22 +53,15 @@ CONFIGS = {
     "qwen-image": (AutoencoderKLQwenImage, dict(_WAN21, base_dim=8)),
 }
 SHAPES = [(1, 1, 3, 4), (1, 2, 3, 4), (2, 5, 4, 3)]  # (batch, latent frames, h, w)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
+latent = partial(helpers.latent, seed=1)  # seed 1 unless a test says otherwise
 
 
 @torch.no_grad()
-def reference(name: str, seed: int = 0):
+def reference(name: str, seed: int = 0) -> AutoencoderKLWan | AutoencoderKLQwenImage:
     """A random diffusers VAE: default init, RMSNorm gains and attention made non-trivial."""
     cls, kwargs = CONFIGS[name]
-    torch.manual_seed(seed)
-    vae = cls(**kwargs).eval()
+    vae = seeded(cls, seed, **kwargs)
     for pname, p in vae.decoder.named_parameters():
         if pname.endswith("gamma"):
             p.uniform_(0.5, 1.5)
@@ -79,29 +73,9 @@ def reference(name: str, seed: int = 0):
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory) -> dict:
     """name -> (diffusers VAE, our decoder imported from its saved folder, config)."""
-    out = {}
-    for name in CONFIGS:
-        ref = reference(name)
-        folder = tmp_path_factory.mktemp(name) / "vae"
-        ref.save_pretrained(folder)
-        config, state = wan.convert(folder.parent)  # a pipeline folder holding vae/
-        ours = wan.Decoder(json.loads(json.dumps(config))).eval()  # survives JSON
-        ours.load_state_dict(state)
-        out[name] = (ref, ours, config)
-    return out
-
-
-def latent(b: int, c: int, t: int, h: int, w: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn((b, c, t, h, w), generator=torch.Generator().manual_seed(seed))
-
-
-def report(label: str, got: torch.Tensor, expected: torch.Tensor) -> float:
-    assert got.shape == expected.shape, (got.shape, expected.shape)
-    cos = cosine(got, expected)
-    err = (got - expected).abs().max().item()
-    clamped = (expected.abs() >= 1).float().mean().item()
-    print(f"{label}: cos {cos:.8f} max-abs {err:.2e} (clamped {clamped:.0%})")
-    return cos
+    return {
+        name: import_pair(reference(name), wan, tmp_path_factory.mktemp(name)) for name in CONFIGS
+    }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -116,7 +90,7 @@ def test_decode_matches_diffusers(pairs, name, shape):
     assert expected.shape[-1] == w * ours.spatial_scale
     for chunk in (1, 2, 0):  # latent frames per streamed chunk (0: the whole clip at once)
         got = ours.decode(z, chunk_frames=chunk)
-        assert report(f"{name} {shape} chunk {chunk}", got, expected) >= MIN_COS
+        check(f"{name} {shape} chunk {chunk}", got, expected)
 
 
 @pytest.mark.parametrize("name", ["wan2.1", "wan2.2"])
@@ -128,7 +102,7 @@ def test_stream_yields_frames_in_order(pairs, name):
     chunks = list(ours.iter_decode(z, chunk_frames=1))
     # the first latent frame makes one frame; each later one temporal_scale frames
     assert [c.shape[2] for c in chunks] == [1] + [ours.temporal_scale] * 3
-    assert report(f"{name} streamed", torch.cat(chunks, 2), expected) >= MIN_COS
+    check(f"{name} streamed", torch.cat(chunks, 2), expected)
 
 
 @pytest.mark.parametrize("name", ["wan2.1", "wan2.2", "qwen-image"])
@@ -150,7 +124,7 @@ def test_tiled_matches_diffusers_tiled(pairs, name):
         got = ours.decode(
             z, tiled=True, tile_sample_size=size, tile_sample_stride=stride, chunk_frames=chunk
         )
-        assert report(f"{name} tiled chunk {chunk}", got, expected) >= MIN_COS
+        check(f"{name} tiled chunk {chunk}", got, expected)
     assert cosine(untiled, expected) < 0.9999  # the tiles are really there (seams differ)
     assert torch.equal(ours.decode(z, tiled=False), untiled)
 
@@ -161,7 +135,7 @@ def test_image_latent_is_one_frame(pairs):
     z = latent(1, 16, 1, 4, 5, seed=4)
     expected = ref.decode(z).sample[:, :, 0]
     got = ours.decode(z[:, :, 0])  # [B,C,H,W] -> [B,3,H,W]
-    assert report("qwen-image 4-D", got, expected) >= MIN_COS
+    check("qwen-image 4-D", got, expected)
 
 
 @pytest.mark.parametrize("name", ["wan2.1", "wan2.2", "qwen-image"])
@@ -268,7 +242,7 @@ def test_convert_original_single_file(pairs, name, suffix, tmp_path):
     decoder = wan.Decoder(got_config).eval()
     decoder.load_state_dict(got_state)
     z = latent(1, config["z_dim"], 2, 3, 3, seed=6)
-    assert report(f"{name} from {suffix}", decoder.decode(z), ref.decode(z).sample) >= MIN_COS
+    check(f"{name} from {suffix}", decoder.decode(z), ref.decode(z).sample)
     for key in ("is_residual", "patch_size", "temperal_downsample", "num_res_blocks"):
         assert got_config[key] == config[key], key
 
@@ -320,15 +294,10 @@ def test_refuses_unknown_latent_width(tmp_path):
 @pytest.mark.parametrize("name", list(wan.SYNTHETIC))
 def test_synthetic_is_deterministic_and_gates_in_bf16(name):
     config = wan.SYNTHETIC[name]
-    a, b = wan.Decoder(config), wan.Decoder(config)
-    wan.init_synthetic(a, torch.Generator().manual_seed(0))
-    wan.init_synthetic(b, torch.Generator().manual_seed(0))
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(),
-                                                 b.state_dict().values(), strict=True))  # fmt: skip
+    a, b = synthetic_twins(wan, config, seed=0)
     json.dumps(config)
     z = a.probe_latent(torch.Generator().manual_seed(0))
     with torch.no_grad():
         exact = a.eval().decode(z)
         fast = b.eval().to(torch.bfloat16).decode(z.to(torch.bfloat16))
-    cos = report(f"{name} bf16 vs fp32 (gate probe)", fast.float(), exact)
-    assert cos >= 0.9999
+    check(f"{name} bf16 vs fp32 (gate probe)", fast.float(), exact, min_cos=0.9999)

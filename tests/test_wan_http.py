@@ -9,11 +9,8 @@ patch, residual up blocks) and Qwen-Image's ``AutoencoderKLQwenImage``.
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
-from pathlib import Path
+from functools import partial
 
-import imageio_ffmpeg
 import numpy as np
 import pytest
 import torch
@@ -22,10 +19,10 @@ from diffusers.image_processor import VaeImageProcessor
 from diffusers.utils.remote_utils import remote_decode
 from PIL import Image
 
-from app.decoders.ops import cosine
-from tests.live import live_server
+from tests import helpers
+from tests.helpers import cosine, read_mp4, seeded
+from tests.live import import_pretrained, live_server
 
-ROOT = Path(__file__).resolve().parents[1]
 _SMALL = dict(base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
 MODELS = {
     "wan21": (AutoencoderKLWan, dict(_SMALL, z_dim=16)),
@@ -45,38 +42,24 @@ MODELS = {
     ),  # fmt: skip
     "qwen": (AutoencoderKLQwenImage, dict(_SMALL, z_dim=16)),
 }
-pytestmark = pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning"),
+]
+latent = partial(helpers.latent, seed=1)  # seed 1 unless a test says otherwise
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, one_thread):
     """(base URL, {name: diffusers oracle}): every model imported by the CLI, then served."""
-    tmp = tmp_path_factory.mktemp("wan")
-    store, oracles, imports = tmp / "store", {}, []
-    for i, (name, (cls, kwargs)) in enumerate(MODELS.items()):
-        torch.manual_seed(30 + i)
-        oracles[name] = cls(**kwargs).eval()
-        oracles[name].save_pretrained(tmp / name / "vae")
-        command = [sys.executable, "-m", "app", "import", "wan", str(tmp / name)]
-        command += ["--name", name, "--models-dir", str(store)]
-        imports.append(subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True))
-    for proc in imports:
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
+    store = tmp_path_factory.mktemp("wan") / "store"
+    oracles = {
+        name: seeded(cls, 30 + i, **kwargs)
+        for i, (name, (cls, kwargs)) in enumerate(MODELS.items())
+    }
+    import_pretrained(store, "wan", oracles)
     with live_server(store, dtype="float32", device="cpu") as url:
         yield url, oracles
-
-
-def latent(*shape: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
 def test_qwen_image_single_frame_pil(world):
@@ -129,11 +112,7 @@ def test_remote_decode_mp4(world, name, tmp_path):
     data = remote_decode(
         f"{url}/decode/{name}", z, output_type="mp4", return_type="mp4", do_scaling=False
     )
-    path = tmp_path / "out.mp4"
-    path.write_bytes(data)
-    reader = imageio_ffmpeg.read_frames(str(path))
-    meta = next(reader)
-    frames = list(reader)
+    meta, frames = read_mp4(data, tmp_path)
     side = 2 * (8 if name == "wan21" else 16)
     assert meta["size"] == (side, side)
     assert len(frames) == 9  # 1 + 4 * (3 - 1)
