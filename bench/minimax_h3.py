@@ -8,7 +8,8 @@ chunk plus the 2-token overlap) x 16 x 16 cells + 4 register tokens + 1 zero tok
 tokens. ``--blocks`` blocks get trained-like seeded weights (``init_synthetic``); diffusers'
 ``MiniMaxH3VideoTransformerBlock`` holds the very same tensors (``load_state_dict(assign=True)``,
 no copy), its bf16 variant pinned as ``from_pretrained(torch_dtype=bfloat16)`` pins it (norms and
-layer scales float32, residual stream float32), ours as the service's ``Decoder`` casts itself.
+layer scales float32, residual stream float32). Ours is the served copy of that dtype
+(``modes.build``: the fast blocks of ``minimax_h3/fast.py``, the same pinning).
 
 Prints one row per variant: median seconds per block, ratio against diffusers at the same
 dtype, FLOPs per block (``torch.utils.flop_counter`` on the meta device, SDPA on its math
@@ -38,6 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from app.decoders import minimax_h3 as mm
 from app.decoders.minimax_h3.model import DEFAULTS, rope_tables
 from app.decoders.ops import cosine
+from app.runtime import modes
 from bench import common
 
 GRID = (7, 16, 16)  # latent (t, h, w) of one tile clip: 5 + 2 tokens, 256 px / 16
@@ -70,9 +72,13 @@ def peer_blocks(ours: torch.nn.ModuleList, cfg: dict) -> torch.nn.ModuleList:
 
 
 def stack(blocks: torch.nn.ModuleList, x: torch.Tensor, rope) -> Callable[[], torch.Tensor]:
-    """The blocks applied in turn to ``x`` with ``rope`` (one call of a decoder's block stack)."""
+    """The blocks applied in turn to ``x`` with ``rope`` (one call of a decoder's block stack).
+    Ours run through their stack's own forward: the served ``FastBlocks`` hand their blocks a
+    private copy of the residual stream, which the blocks update in place."""
 
     def fn() -> torch.Tensor:
+        if type(blocks).forward is not torch.nn.ModuleList.forward:
+            return blocks(x, rope)
         h = x
         for block in blocks:
             h = block(h, rope)
@@ -141,11 +147,14 @@ def run(args: argparse.Namespace) -> None:
     variants = {}
     for dtype in dtypes:
         model = decoder if dtype == torch.float32 else copy.deepcopy(decoder).to(dtype=dtype)
-        model = model.to(device)
-        ours = model.decoder.transformer_blocks
+        peers = peer_blocks(model.to(device).decoder.transformer_blocks, cfg)
+        served = modes.build(decoder, device, modes.Mode(dtype))  # the fast blocks
         name = str(dtype).removeprefix("torch.")
-        variants[f"diffusers {name}"] = (dtype, stack(peer_blocks(ours, cfg), x, theirs_rope))
-        variants[f"service {name}"] = (dtype, stack(ours, x, ours_rope))
+        variants[f"diffusers {name}"] = (dtype, stack(peers, x, theirs_rope))
+        variants[f"service {name}"] = (
+            dtype,
+            stack(served.decoder.transformer_blocks, x, ours_rope),
+        )
 
     flops = count_block_flops(cfg)
     print(

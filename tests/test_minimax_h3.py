@@ -14,9 +14,11 @@ from torch import nn
 
 from app import timing
 from app.decoders import minimax_h3 as mm
+from app.decoders.minimax_h3 import fast as mm_fast
 from app.decoders.minimax_h3 import schedule
 from app.decoders.minimax_h3.convert import config_from_diffusers
 from app.decoders.minimax_h3.model import ImageDecoder
+from app.runtime import modes
 from app.timing import PhaseTimer
 from tests.helpers import check, cosine, latent, seeded
 
@@ -305,3 +307,29 @@ def test_synthetic_bf16_tracks_fp32():
     got = dec.to(torch.bfloat16).decode(z)
     print(f"synthetic bf16 vs fp32: cos={cosine(got, ref):.6f}")
     assert cosine(got, ref) >= 0.9999
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_served_copy_matches_diffusers(dtype, video_pair):
+    """The served copy (``modes.build``: the fast blocks, norms and layer scales float32)
+    against diffusers at the same precision; the caller's residual stream is left alone."""
+    vae, ours = video_pair
+    served = modes.build(ours, torch.device("cpu"), modes.Mode(dtype))
+    blocks = served.decoder.transformer_blocks
+    assert isinstance(blocks, mm_fast.FastBlocks) and len(blocks) == len(
+        ours.decoder.transformer_blocks
+    )
+    assert blocks[0].scale1.dtype == blocks[0].norm1.weight.dtype == torch.float32
+    assert blocks[0].ff.net[0].proj.weight.dtype == dtype
+    assert served.decoder.norm_out.weight.dtype == torch.float32
+    z = latent(1, C, 3, 17, 5, seed=1)
+    with torch.no_grad():
+        expected = (vae if dtype == torch.float32 else reference_bf16(vae)).decode(z).sample
+    check(f"served-{dtype}", served.decode(z), expected)
+    tokens = 2 + ours.config["decoder_num_register_tokens"] + 1  # a 1x1x2 grid + suffix
+    x = torch.randn(1, tokens, blocks[0].norm1.normalized_shape[0])
+    kept = x.clone()
+    rope = ours._rope((1, 1, 2), x.device)
+    with torch.no_grad():
+        first, second = blocks(x, rope), blocks(x, rope)
+    assert torch.equal(x, kept) and torch.equal(first, second)

@@ -43,9 +43,6 @@ class VAEDecoder(nn.Module, ABC):
     # tiles/bands (less memory, the out-of-memory retry), False = never tile.
     supports_tiling: ClassVar[bool] = False
     exact_tiling: ClassVar[bool] = False  # tiled=True computes the same function (FLUX's bands)
-    # Modules whose parameters stay float32 on a bf16/fp16 copy (name prefixes), where the
-    # architecture computes them in float32 (as diffusers' ``_keep_in_fp32_modules``).
-    keep_float32: ClassVar[tuple[str, ...]] = ()
     # Device memory one decode takes beyond the weights, in values per output pixel (of each
     # frame held at once), times the dtype's size: the runner's budget check. Families set
     # their measured value (docs/BENCHMARKS.md); the default is generous.
@@ -118,6 +115,11 @@ class VAEDecoder(nn.Module, ABC):
         several consecutive modules lists each under its name (their times add up). The names
         are a metrics contract."""
         return []
+
+    def keeps_float32(self, name: str) -> bool:
+        """Whether parameter ``name`` stays float32 on a bf16/fp16 copy: the architecture
+        computes it in float32 (as diffusers' ``_keep_in_fp32_modules``)."""
+        return False
 
     def optimize(self) -> None:
         """Turn on this family's fast-path rewrites (on the served copy, behind the gate)."""

@@ -72,18 +72,28 @@ def upsample2x_conv3x3_phases(x: Tensor, phase_weights: Tensor, bias: Tensor | N
 
 
 def upsample_phases_padded(xp: Tensor, phase_weights: Tensor, bias: Tensor | None) -> Tensor:
-    """``xp``: low-res rows with one row/column of context (or zero pad) on every side."""
+    """``xp``: low-res rows with one row/column of context (or zero pad) on every side.
+
+    Output pixel (2i+a, 2j+c) is phase (a, c)'s pixel (i, j): each phase's conv output is
+    written once, straight into its strided place in the output's own memory layout
+    (channels-last input, channels-last output), never gathered by a copy afterwards."""
     b, _, hp, wp = xp.shape
     h, w, cout = hp - 2, wp - 2, phase_weights.shape[2]
-    out = xp.new_empty((b, cout, h, 2, w, 2))
+    channels_last = xp.is_contiguous(memory_format=torch.channels_last) and xp.shape[1] > 1
+    if channels_last:  # memory [b, h, a, w, c, cout]: NHWC of the 2x image
+        out = xp.new_empty((b, h, 2, w, 2, cout))
+    else:  # memory [b, cout, h, a, w, c]: NCHW of the 2x image
+        out = xp.new_empty((b, cout, h, 2, w, 2))
     for a in range(2):
         for c in range(2):
             part = F.conv2d(xp[:, :, a : a + h + 1, c : c + w + 1], phase_weights[a, c], bias)
-            out[:, :, :, a, :, c] = part
-    out = out.view(b, cout, 2 * h, 2 * w)
-    if xp.is_contiguous(memory_format=torch.channels_last) and xp.shape[1] > 1:
-        out = out.contiguous(memory_format=torch.channels_last)
-    return out
+            if channels_last:
+                out[:, :, a, :, c] = part.permute(0, 2, 3, 1)
+            else:
+                out[:, :, :, a, :, c] = part
+    if channels_last:
+        return out.view(b, 2 * h, 2 * w, cout).permute(0, 3, 1, 2)
+    return out.view(b, cout, 2 * h, 2 * w)
 
 
 # --- banded execution: full-resolution layers a band of rows at a time ---------------

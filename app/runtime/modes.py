@@ -44,7 +44,7 @@ def candidate_modes(setting: str, device: torch.device) -> list[Mode]:
 
 def build(reference: VAEDecoder, device: torch.device, mode: Mode) -> VAEDecoder:
     """The resident copy for ``mode`` on ``device``. Parameters take the mode's dtype, except
-    the decoder's ``keep_float32`` modules; buffers (latent statistics) stay float32, so
+    those the decoder ``keeps_float32``; buffers (latent statistics) stay float32, so
     de-normalization keeps its precision."""
     if device.type == "cpu" and mode == EXACT:
         return reference  # the exact path is served as it is
@@ -53,7 +53,7 @@ def build(reference: VAEDecoder, device: torch.device, mode: Mode) -> VAEDecoder
     cast = {
         name
         for name, tensor in reference.named_parameters()
-        if tensor.is_floating_point() and not name.startswith(reference.keep_float32)
+        if tensor.is_floating_point() and not reference.keeps_float32(name)
     }
     state = {}
     for name, tensor in reference.state_dict(keep_vars=False).items():

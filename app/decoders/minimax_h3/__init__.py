@@ -2,7 +2,8 @@
 
 ``model.py`` is the exact architecture (``Decoder.forward`` decodes one tile clip),
 ``schedule.py`` the reference's tile and clip schedules that ``decode`` runs over it,
-``convert.py`` the checkpoint layouts and the seeded synthetic weights.
+``convert.py`` the checkpoint layouts and the seeded synthetic weights, ``fast.py`` the
+served copy's rewrites (behind the gate).
 """
 
 from app.decoders.minimax_h3.convert import SYNTHETIC, convert, init_synthetic

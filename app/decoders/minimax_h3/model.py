@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from app import timing
 from app.decoders.base import VAEDecoder
+from app.decoders.minimax_h3 import fast
 from app.decoders.minimax_h3.schedule import (
     TILE,
     ClipPlan,
@@ -258,7 +259,6 @@ class Decoder(VAEDecoder):
     family: ClassVar[str] = "minimax-h3"
     output_space = "imagenet"
     is_video = True
-    keep_float32 = ("decoder.norm_out.",)  # the residual stream and its final norm are float32
 
     def __new__(cls, config: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Decoder:
         if cls is Decoder and config is not None and _is_image(config):
@@ -347,6 +347,13 @@ class Decoder(VAEDecoder):
             found += [("qkv", m) for m in (a.to_q, a.to_k, a.to_v, a.qk_norm)]
             found += [("attention", a.attend), ("out", a.to_out[0])]
         return found
+
+    def keeps_float32(self, name: str) -> bool:
+        # the norms and layer scales, as the reference pins them (``_apply`` below)
+        return name.endswith(_FP32_SUFFIXES)
+
+    def optimize(self) -> None:
+        fast.optimize(self)
 
     def to(self, *args: Any, **kwargs: Any) -> Decoder:
         # channels_last means nothing to a token decoder, and the 5-D
