@@ -59,6 +59,16 @@ def time_it(fn: Callable[[], object], device: torch.device, repeats: int, warmup
     return statistics.median(times)
 
 
+def interleaved(fns: dict, device: torch.device, repeats: int) -> dict[str, float]:
+    """Median seconds of each callable, the variants taking turns in every round, so a
+    load change on a shared machine lands on all of them alike."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(time_it(fn, device, repeats=1, warmup=0))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def gemm_rate(dtype: torch.dtype, device: torch.device, n: int = 2048) -> float:
     """Measured GEMM FLOP/s for square n x n matrices (the machine's practical ceiling).
 

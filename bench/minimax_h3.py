@@ -17,7 +17,7 @@ backend, since the counter does not see the CPU flash kernel; checked against th
 over the time against the machine's GEMM rate measured in this run (the better of a
 measurement before and one after the blocks), the cosine of the blocks' residual update
 (output minus input) against diffusers float32, and the largest difference from diffusers at
-the same dtype. The variants take turns in every timed round (see ``interleaved``).
+the same dtype. The variants take turns in every timed round (see ``common.interleaved``).
 The full decoder runs 36 of these per tile clip.
 """
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 from collections.abc import Callable
 
@@ -164,7 +163,9 @@ def run(args: argparse.Namespace) -> None:
     )
 
     outputs = {name: fn().float() for name, (_, fn) in variants.items()}  # also the warm-up
-    times = interleaved({name: fn for name, (_, fn) in variants.items()}, device, args.repeats)
+    times = common.interleaved(
+        {name: fn for name, (_, fn) in variants.items()}, device, args.repeats
+    )
     # the ceiling: the better of the GEMM rates measured before and after the blocks
     rates = {d: max(r, common.gemm_rate(d, device)) for d, r in rates.items()}
     print(
@@ -178,16 +179,6 @@ def run(args: argparse.Namespace) -> None:
         rows.append([name, dtype, seconds, flops / seconds, flops / seconds / rates[dtype], cos])
         print(f"  {name:20s} {seconds:7.3f} s/block  cos {cos:.6f}", flush=True)
     _report(rows, outputs, args)
-
-
-def interleaved(fns: dict, device: torch.device, repeats: int) -> dict[str, float]:
-    """Median seconds of each callable, the variants taking turns in every round, so a
-    load change on a shared machine lands on all of them alike."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            samples[name].append(common.time_it(fn, device, repeats=1, warmup=0))
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _report(rows: list, outputs: dict, args: argparse.Namespace) -> None:

@@ -12,7 +12,8 @@ default options. The cosine is the served output's against diffusers float32's.
 Each family runs in its own subprocess (its models are freed before the next family loads);
 inside it the variants share the family's seeded weights (built once by the family's bench
 module: ``build_ours`` / ``build_peer`` / ``variants``) and each is timed with
-``common.time_it`` (median of ``--repeats`` after one warm-up decode of the same latent).
+``common.interleaved``: one warm-up decode each, then ``--repeats`` rounds in which every
+variant decodes once in turn (the median per variant), so a load change hits them alike.
 ``--quick`` uses small shapes (the whole table in a few minutes on 2 cores); the default
 shapes are the family benches' defaults. MiniMax-H3's row is one ViT3D block over one tile
 clip (``bench.minimax_h3``: its decoder is 36 of them), compared on the block's update.
@@ -83,7 +84,7 @@ def _once(build: Callable):
 def flux(scale: str) -> Setup:
     from bench import flux as b
 
-    size = {"tiny": 32, "quick": 128, "full": 512}[scale]
+    size = {"tiny": 32, "quick": 256, "full": 512}[scale]  # at 128 per-call costs dominate
     ours, ref = b.build()
     z = torch.randn(1, 16, size // 8, size // 8, generator=torch.Generator().manual_seed(1))
     v = b.variants(ours, ref, CPU)
@@ -246,6 +247,7 @@ FAMILIES: dict[str, Callable[[str], Setup]] = {
     "taesd": taesd,
 }
 EMULATED = "skipped: bf16 emulated"
+SERVED = "served"
 
 
 # --- measuring one family -----------------------------------------------------------------
@@ -255,19 +257,19 @@ def measure(family: str, scale: str, repeats: int, skip_bf16: bool) -> dict:
     fastest of them, the served path's median seconds and its cosine against diffusers fp32."""
     setup = FAMILIES[family](scale)
     peers: dict[str, float | str] = {}
-    reference = None
+    decodes = {}
     for setting, make in setup.peers.items():
         if skip_bf16 and "bf16" in setting:
             peers[setting] = EMULATED
-            continue
-        fn = make()
-        peers[setting] = common.time_it(fn, CPU, repeats)
-        if setting == "fp32":
-            reference = fn().float()
-        del fn
-    mode, fn = setup.served()
-    seconds = common.time_it(fn, CPU, repeats)
-    cos = cosine(fn().float(), reference) if reference is not None else float("nan")
+        else:
+            decodes[setting] = make()
+    mode, decodes[SERVED] = setup.served()
+    outputs = {name: fn().float() for name, fn in decodes.items()}  # also the warm-ups
+    times = common.interleaved(decodes, CPU, repeats)  # a load change hits every variant
+    seconds = times.pop(SERVED)
+    peers.update(times)
+    reference = outputs.get("fp32")
+    cos = cosine(outputs[SERVED], reference) if reference is not None else float("nan")
     timed = {k: v for k, v in peers.items() if isinstance(v, float)}
     best = min(timed, key=timed.get)
     return {

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from app import timing
 from app.decoders import ltx
-from app.decoders.ltx.model import decoder_spec
+from app.decoders.ltx.model import WEIGHT_HEAVY, conv3d, decoder_spec
 from app.timing import PhaseTimer
 from tests.helpers import (
     decoder_state,
@@ -279,3 +279,20 @@ def test_convert_lightricks_single_file(variant, tmp_path):
     if variant != "residual-p2":  # without embedded config: "residual iff factor 2" holds
         save_file(tensors, str(path))
         assert decoder_spec(ltx.convert(path)[0]) == decoder_spec(folder_config)
+
+
+@pytest.mark.parametrize("channels,size", [(64, 2), (8, 16)])
+def test_conv3d_picks_the_kernel_by_shape_and_computes_the_conv(channels, size):
+    """A weight far larger than its input goes to im2col + GEMM, the rest to oneDNN; both
+    compute PyTorch's conv."""
+    conv = torch.nn.Conv3d(channels, channels, 3, padding=(0, 1, 1))
+    x = torch.randn(1, channels, 3, size, size)
+    heavy = conv.weight.numel() > WEIGHT_HEAVY * x.numel()
+    assert heavy == (size == 2)
+    with torch.no_grad(), torch.profiler.profile() as prof:
+        got = conv3d(x, conv)
+    kernels = {e.name for e in prof.events()}
+    assert ("aten::slow_conv3d_forward" in kernels) == heavy
+    assert ("aten::mkldnn_convolution" in kernels) == (not heavy)
+    with torch.no_grad():
+        torch.testing.assert_close(got, conv(x), rtol=1e-5, atol=1e-5)

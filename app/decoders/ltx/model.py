@@ -77,12 +77,22 @@ def depth_to_space(x: Tensor, channels: int) -> Tensor:
     return x.reshape(b, channels, 2 * t, 2 * h, 2 * w)
 
 
+# Weight elements per input element above which PyTorch's im2col + GEMM conv beats oneDNN's:
+# oneDNN re-packs the weight on every call, which dominates a wide conv on a small input
+# (docs/bench/ltx.md has the measured crossover).
+WEIGHT_HEAVY = 64
+
+
 def conv3d(x: Tensor, conv: nn.Conv3d) -> Tensor:
-    """``conv(x)``; float32 on the CPU goes straight to oneDNN. PyTorch's dispatch sends
-    inputs with small B*C*T*H (short temporal chunks, low-res stages) to ``slow_conv3d``,
-    measured 3-8x slower here; oneDNN is as fast or faster at every shape we run."""
+    """``conv(x)``, float32 on the CPU on the faster of two kernels for its shape: oneDNN, or
+    for a weight much larger than its input ``slow_conv3d`` (im2col + GEMM, no weight re-pack).
+    PyTorch's own choice goes by B*C*T*H alone, and sends short temporal chunks of the
+    low-res, narrow stages to ``slow_conv3d``, several times slower there."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.enabled:
         pad, stride, dil = list(conv.padding), list(conv.stride), list(conv.dilation)
+        if conv.weight.numel() > WEIGHT_HEAVY * x.numel() and dil == [1, 1, 1]:
+            kernel = list(conv.kernel_size)
+            return torch.ops.aten.slow_conv3d(x, conv.weight, kernel, conv.bias, stride, pad)
         return torch.ops.aten.mkldnn_convolution(x, conv.weight, conv.bias, pad, stride, dil, 1)
     return conv(x)
 
