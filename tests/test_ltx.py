@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from app import timing
 from app.decoders import ltx
-from app.decoders.ltx.model import WEIGHT_HEAVY, conv3d, decoder_spec
+from app.decoders.ltx.model import decoder_spec
+from app.decoders.ops import WEIGHT_HEAVY, conv3d
 from app.timing import PhaseTimer
 from tests.helpers import (
     decoder_state,

@@ -20,6 +20,30 @@ def to_model(z: Tensor, weight: Tensor) -> Tensor:
     return z
 
 
+# Weight elements per input element above which PyTorch's im2col + GEMM conv beats oneDNN's:
+# oneDNN re-packs the weight on every call, which dominates a wide conv on a small input
+# (docs/bench/ltx.md has the measured crossover).
+WEIGHT_HEAVY = 64
+
+
+def conv3d(x: Tensor, conv: nn.Conv3d) -> Tensor:
+    """``conv(x)``, float32 on the CPU on the faster of two kernels for its shape: oneDNN, or
+    for a weight much larger than its input ``slow_conv3d`` (im2col + GEMM, no weight re-pack).
+    PyTorch's own choice goes by B*C*T*H alone, and sends short temporal chunks of the
+    low-res, narrow stages to ``slow_conv3d``, several times slower there. Other dtypes and
+    devices: PyTorch's own dispatch."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.enabled:
+        pad, stride, dil = list(conv.padding), list(conv.stride), list(conv.dilation)
+        if conv.weight.numel() > WEIGHT_HEAVY * x.numel() and dil == [1, 1, 1]:
+            kernel = list(conv.kernel_size)
+            return torch.ops.aten.slow_conv3d(x, conv.weight, kernel, conv.bias, stride, pad)
+        return torch.ops.aten.mkldnn_convolution(x, conv.weight, conv.bias, pad, stride, dil, 1)
+    # functional: ``conv`` may be a Conv3d subclass whose forward calls this
+    return F.conv3d(
+        x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups
+    )
+
+
 def patchify2x2(z: Tensor) -> Tensor:
     """[B, C, H, W] -> [B, 4C, H/2, W/2], channel index c*4 + dy*2 + dx."""
     b, c, h, w = z.shape

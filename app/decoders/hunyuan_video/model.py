@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from app.decoders.base import VAEDecoder
 from app.decoders.hunyuan_video import tiling
+from app.decoders.ops import conv3d
 from app.decoders.tiling import Grid, blend_edge
 from app.timing import phase
 
@@ -49,7 +50,7 @@ class CausalConv3d(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if any(self.padding):
             x = F.pad(x, self.padding, mode="replicate")
-        return self.conv(x)
+        return conv3d(x, self.conv)
 
 
 class ResnetBlock(nn.Module):

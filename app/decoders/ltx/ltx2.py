@@ -31,10 +31,10 @@ from app.decoders.ltx.model import (
     CausalConv3d,
     Decoder,
     DecoderSpec,
-    conv3d,
     decoder_spec,
 )
 from app.decoders.ltx.streaming import Stream
+from app.decoders.ops import conv3d
 
 VERSION = "ltx2"
 UPSAMPLE_STRIDES: dict[str, tuple[int, int, int]] = {

@@ -45,6 +45,7 @@ from app import timing
 from app.decoders.base import VAEDecoder
 from app.decoders.ltx import streaming
 from app.decoders.ltx.streaming import Conditioning, Stream
+from app.decoders.ops import conv3d
 
 RMS_EPS = 1e-8  # diffusers' RMSNorm in the LTX blocks
 TIME_PROJ_DIM = 256  # sinusoidal timestep features before each embedder MLP
@@ -75,26 +76,6 @@ def depth_to_space(x: Tensor, channels: int) -> Tensor:
     b, _, t, h, w = x.shape
     x = x.reshape(b, channels, 2, 2, 2, t, h, w).permute(0, 1, 5, 2, 6, 3, 7, 4)
     return x.reshape(b, channels, 2 * t, 2 * h, 2 * w)
-
-
-# Weight elements per input element above which PyTorch's im2col + GEMM conv beats oneDNN's:
-# oneDNN re-packs the weight on every call, which dominates a wide conv on a small input
-# (docs/bench/ltx.md has the measured crossover).
-WEIGHT_HEAVY = 64
-
-
-def conv3d(x: Tensor, conv: nn.Conv3d) -> Tensor:
-    """``conv(x)``, float32 on the CPU on the faster of two kernels for its shape: oneDNN, or
-    for a weight much larger than its input ``slow_conv3d`` (im2col + GEMM, no weight re-pack).
-    PyTorch's own choice goes by B*C*T*H alone, and sends short temporal chunks of the
-    low-res, narrow stages to ``slow_conv3d``, several times slower there."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.enabled:
-        pad, stride, dil = list(conv.padding), list(conv.stride), list(conv.dilation)
-        if conv.weight.numel() > WEIGHT_HEAVY * x.numel() and dil == [1, 1, 1]:
-            kernel = list(conv.kernel_size)
-            return torch.ops.aten.slow_conv3d(x, conv.weight, kernel, conv.bias, stride, pad)
-        return torch.ops.aten.mkldnn_convolution(x, conv.weight, conv.bias, pad, stride, dil, 1)
-    return conv(x)
 
 
 def timestep_features(t: Tensor) -> Tensor:

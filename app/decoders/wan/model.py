@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.decoders.base import VAEDecoder
+from app.decoders.ops import conv3d
 from app.decoders.wan import tiling
 from app.timing import phase
 
@@ -75,7 +76,7 @@ class CausalConv3d(nn.Conv3d):
         if kt > 1:
             assert s is not None, "a temporal conv needs its stream"
             x = s.causal(self, x, kt - 1)
-        return super().forward(x)
+        return conv3d(x, self)
 
 
 class RMSNorm(nn.Module):
