@@ -18,6 +18,7 @@ from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 from safetensors.torch import save_file
 
 from app.decoders import wan
+from app.runtime import modes
 from tests import helpers
 from tests.helpers import check, cosine, import_pair, seeded, synthetic_twins
 
@@ -91,6 +92,21 @@ def test_decode_matches_diffusers(pairs, name, shape):
     for chunk in (1, 2, 0):  # latent frames per streamed chunk (0: the whole clip at once)
         got = ours.decode(z, chunk_frames=chunk)
         check(f"{name} {shape} chunk {chunk}", got, expected)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@torch.no_grad()
+def test_served_cpu_copy_is_channels_last_3d_and_matches_diffusers(pairs, name):
+    """The served float32 CPU copy (``modes.build``: 3-D conv weights in channels_last_3d,
+    its own tensors) decodes as diffusers does, streamed or not, and leaves the reference be."""
+    ref, ours, config = pairs[name]
+    served = modes.build(ours, torch.device("cpu"), modes.Mode(torch.float32))
+    assert served.conv_in.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    assert ours.conv_in.weight.is_contiguous()
+    z = latent(1, config["z_dim"], 3, 4, 3, seed=3)
+    expected = ref.decode(z).sample
+    for chunk in (1, 0):
+        check(f"{name} served chunk {chunk}", served.decode(z, chunk_frames=chunk), expected)
 
 
 @pytest.mark.parametrize("name", ["wan2.1", "wan2.2"])

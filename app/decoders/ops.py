@@ -13,10 +13,13 @@ from torch import Tensor, nn
 
 
 def to_model(z: Tensor, weight: Tensor) -> Tensor:
-    """Move a latent to the weights' device, dtype and memory format."""
+    """Move a latent to the weights' device, dtype and memory format (of a conv weight with
+    a spatial kernel: a 1x1 one is contiguous in every format)."""
     z = z.to(device=weight.device, dtype=weight.dtype)
     if weight.ndim == 4 and weight.is_contiguous(memory_format=torch.channels_last):
         z = z.contiguous(memory_format=torch.channels_last)
+    if weight.ndim == 5 and weight.is_contiguous(memory_format=torch.channels_last_3d):
+        z = z.contiguous(memory_format=torch.channels_last_3d)
     return z
 
 

@@ -1,7 +1,7 @@
 """The ``wan`` family: Wan 2.1, Wan 2.2 TI2V and Qwen-Image VAE decoders.
 
 ``model.py`` is the architecture (and its exact temporal stream), ``tiling.py`` diffusers'
-spatial tiles, ``convert.py`` the checkpoint layouts. Notes: docs/families/wan.md.
+spatial tiles, ``convert.py`` the checkpoint layouts, ``fast.py`` the served copy's CPU layout. Notes: docs/families/wan.md.
 """
 
 from __future__ import annotations

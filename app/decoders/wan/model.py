@@ -31,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from app.decoders import ops
 from app.decoders.base import VAEDecoder
 from app.decoders.ops import conv3d
-from app.decoders.wan import tiling
+from app.decoders.wan import fast, tiling
 from app.timing import phase
 
 CARRY = 2  # frames a 3-tap causal conv keeps from the previous chunk
@@ -49,9 +50,8 @@ class Stream:
     def causal(self, conv: nn.Module, x: Tensor, frames: int) -> Tensor:
         """``x`` preceded by the last ``frames`` frames before it (zeros at the start)."""
         prev = self.carry.get(conv)
-        if prev is None:
-            prev = x.new_zeros(x.shape[:2] + (frames,) + x.shape[3:])
-        seq = torch.cat([prev, x], 2)
+        # zero frames by padding, which keeps x's memory format (a cat with new zeros may not)
+        seq = F.pad(x, (0, 0, 0, 0, frames, 0)) if prev is None else torch.cat([prev, x], 2)
         self.carry[conv] = seq[:, :, seq.shape[2] - frames :]
         return seq
 
@@ -285,6 +285,9 @@ class WanDecoder(VAEDecoder):
     def summary(self) -> dict[str, Any]:
         return {**super().summary(), "variant": self.config.get("variant", "wan")}
 
+    def optimize(self) -> None:
+        fast.optimize(self)
+
     def stages(self) -> list[tuple[str, nn.Module]]:
         ups = [(f"up_{i}", block) for i, block in enumerate(self.up_blocks)]
         return [
@@ -327,8 +330,7 @@ class WanDecoder(VAEDecoder):
         ``tile_sample_stride`` (pixels, diffusers' 256 / 192)."""
         if z.ndim == 4:
             z = z.unsqueeze(2)
-        weight = self.conv_in.weight
-        z = z.to(device=weight.device, dtype=weight.dtype)
+        z = ops.to_model(z, self.conv_in.weight)
         step = int(options.get("chunk_frames", 2)) or z.shape[2]
         grid = tiling.grid(self, z, options) if options.get("tiled") else None
         streams = [Stream() for _ in (grid.tiles if grid else [None])]
