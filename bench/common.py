@@ -159,6 +159,31 @@ def print_report(rows: list[dict], flops: int, rates: dict, device: str, peer: s
         )
 
 
+def spawn_child(family: str, args, options: list[str], name: str, out: Path) -> dict:
+    """Variant ``name`` of ``python -m bench <family>`` measured in a process of its own
+    (``--child``; ``options``: the family's own arguments); the child's JSON result."""
+    command = [sys.executable, "-m", "bench", family, "--child", name, "--out", str(out)]
+    command += [*options, "--repeats", str(args.repeats), "--device", args.device]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"variant {name!r} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def child(make: Callable, warm: torch.Tensor, z: torch.Tensor, args) -> None:
+    """One variant in this child process: ``make(device)`` (its build timed), one decode of
+    the small ``warm`` latent (lazily created state stays outside the timing), then
+    ``measure_child`` on ``z``."""
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    decode = make(device)
+    build_s = time.perf_counter() - t0
+    decode(warm)
+    measure_child(decode, z, device, args, build_s)
+
+
 def measure_child(
     decode: Callable, z: torch.Tensor, device: torch.device, args, build_s: float
 ) -> None:

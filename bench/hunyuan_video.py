@@ -21,10 +21,7 @@ path does: no cosine), and bf16 (what the gate serves on a bf16 device).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -154,30 +151,16 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
-    command = [sys.executable, "-m", "bench", "hunyuan-video", "--child", name, "--out", str(out)]
-    command += ["--frames", str(args.frames)]
-    command += ["--size", str(args.size)] + (["--tiled"] if args.tiled else [])
-    command += ["--repeats", str(args.repeats), "--device", args.device]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"variant {name!r} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    options = ["--frames", str(args.frames), "--size", str(args.size)]
+    options += ["--tiled"] if args.tiled else []
+    return common.spawn_child("hunyuan-video", args, options, name, out)
 
 
-# --- one variant, in its own process --------------------------------------------------------
 @torch.inference_mode()
 def _child(args: argparse.Namespace) -> None:
-    device = torch.device(args.device)
-    t0 = time.perf_counter()
-    decode = variants(args)[args.child](device)
-    build_s = time.perf_counter() - t0
-    decode(
-        torch.randn(1, CONFIG["latent_channels"], 1, 2, 2)
-    )  # lazily created state, outside the timing
-    z = latent(args.frames, args.size)
-    common.measure_child(decode, z, device, args, build_s)
+    make = variants(args)[args.child]
+    warm = torch.randn(1, CONFIG["latent_channels"], 1, 2, 2)
+    common.child(make, warm, latent(args.frames, args.size), args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -32,10 +32,7 @@ frames and dropped, as the MP4 path feeds ffmpeg: nothing is kept, so no cosine)
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -193,27 +190,14 @@ def count_flops(frames: int, size: int) -> int:
 
 
 def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
-    command = [sys.executable, "-m", "bench", "ltx", "--child", name, "--out", str(out)]
-    command += ["--frames", str(args.frames), "--size", str(args.size), "--chunk", str(args.chunk)]
-    command += ["--repeats", str(args.repeats), "--device", args.device]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"variant {name!r} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    options = ["--frames", str(args.frames), "--size", str(args.size), "--chunk", str(args.chunk)]
+    return common.spawn_child("ltx", args, options, name, out)
 
 
-# --- one variant, in its own process --------------------------------------------------------
 @torch.inference_mode()
 def _child(args: argparse.Namespace) -> None:
-    device = torch.device(args.device)
-    t0 = time.perf_counter()
-    decode = variants(args.chunk)[args.child](device)
-    build_s = time.perf_counter() - t0
-    decode(torch.randn(1, 128, 1, 2, 2))  # lazily created state, outside the measurement
-    z = latent(args.frames, args.size)
-    common.measure_child(decode, z, device, args, build_s)
+    make = variants(args.chunk)[args.child]
+    common.child(make, torch.randn(1, 128, 1, 2, 2), latent(args.frames, args.size), args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,10 +22,7 @@ path does: no cosine), and bf16 chunked (what the gate serves on a bf16 device).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -173,29 +170,16 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
-    command = [sys.executable, "-m", "bench", "wan", "--child", name, "--out", str(out)]
-    command += ["--variant", args.variant, "--frames", str(args.frames)]
-    command += ["--size", str(args.size), "--chunk", str(args.chunk)]
-    command += ["--repeats", str(args.repeats), "--device", args.device]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"variant {name!r} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    options = ["--variant", args.variant, "--frames", str(args.frames)]
+    options += ["--size", str(args.size), "--chunk", str(args.chunk)]
+    return common.spawn_child("wan", args, options, name, out)
 
 
-# --- one variant, in its own process --------------------------------------------------------
 @torch.inference_mode()
 def _child(args: argparse.Namespace) -> None:
-    device = torch.device(args.device)
-    t0 = time.perf_counter()
-    decode = variants(args.variant, args.chunk)[args.child](device)
-    build_s = time.perf_counter() - t0
-    c = CONFIGS[args.variant]
-    decode(torch.randn(1, c["z_dim"], 1, 2, 2))  # lazily created state, outside the timing
-    z = latent(args.variant, args.frames, args.size)
-    common.measure_child(decode, z, device, args, build_s)
+    make = variants(args.variant, args.chunk)[args.child]
+    warm = torch.randn(1, CONFIGS[args.variant]["z_dim"], 1, 2, 2)
+    common.child(make, warm, latent(args.variant, args.frames, args.size), args)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

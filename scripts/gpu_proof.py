@@ -517,7 +517,7 @@ def _kernel_profile(decode, z: torch.Tensor, top: int = 15) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = z.device.type == "cuda"
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    device_type = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     with torch.inference_mode():
         decode(z)
         devices.synchronize(z.device)
@@ -526,12 +526,13 @@ def _kernel_profile(decode, z: torch.Tensor, top: int = 15) -> dict:
             devices.synchronize(z.device)
     kernels: dict[str, list[float]] = {}
     for event in prof.events():
-        if event.device_type == kind:
+        if event.device_type == device_type:
             us = event.device_time if cuda else event.self_cpu_time_total
             kernels.setdefault(event.name, []).append(us / 1000)
     kinds: dict[str, float] = {}
     for name, times in kernels.items():
-        kinds[_kernel_kind(name)] = kinds.get(_kernel_kind(name), 0.0) + sum(times)
+        kind = _kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + sum(times)
     ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {
         "total_ms": sum(kinds.values()),

@@ -147,3 +147,12 @@ class VAEDecoder(nn.Module, ABC):
         if self.is_video:
             shape += (2,)
         return torch.randn(shape + (cells, cells), generator=generator)
+
+
+def decode_chunks(decoder: VAEDecoder, z: Tensor, options: dict[str, Any]) -> Tensor:
+    """A video decoder's ``iter_decode`` chunks as one video; a 4-D latent is one frame and
+    decodes to a 4-D image."""
+    image = z.ndim == 4
+    chunks = list(decoder.iter_decode(z.unsqueeze(2) if image else z, **options))
+    out = torch.cat(chunks, 2) if len(chunks) > 1 else chunks[0]
+    return out[:, :, 0] if image else out

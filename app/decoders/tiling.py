@@ -7,9 +7,13 @@ top and left edges are blended in place with the already-blended tile above / to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
+
+DEFAULT_TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
+DEFAULT_TILE_SAMPLE_STRIDE = 192  # diffusers' tile_sample_stride_height / _width
 
 
 @dataclass
@@ -49,3 +53,23 @@ def blend_edge(prev: Tensor, tile: Tensor, extent: int, dim: int) -> None:
     head = tile.narrow(dim, 0, extent)
     tail = prev.narrow(dim, prev.shape[dim] - extent, extent)
     head.copy_(tail * fall + head * rise)
+
+
+def sample_grid(z: Tensor, options: dict[str, Any], ratio: int, patch: int = 1) -> Grid | None:
+    """diffusers' tiles for latent ``z`` from its ``tile_sample_size`` / ``tile_sample_stride``
+    options (output pixels; ``ratio`` pixels per latent cell), blended in the tiles' output
+    space, which ``patch`` packs (Wan 2.2's); None when the latent fits in one tile."""
+    size = int(options.get("tile_sample_size") or DEFAULT_TILE_SAMPLE_SIZE)
+    stride = int(options.get("tile_sample_stride") or DEFAULT_TILE_SAMPLE_STRIDE)
+    tile, step = size // ratio, stride // ratio
+    h, w = z.shape[-2:]
+    if h <= tile and w <= tile:
+        return None
+    ys, xs = range(0, h, step), range(0, w, step)
+    return Grid(
+        tiles=[(slice(y, y + tile), slice(x, x + tile)) for y in ys for x in xs],
+        columns=len(xs),
+        stride=stride // patch,
+        blend_extent=size // patch - stride // patch,
+        out_hw=(h * ratio // patch, w * ratio // patch),
+    )

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app.decoders.base import VAEDecoder
+from app.decoders.base import VAEDecoder, decode_chunks
 from app.decoders.hunyuan_video import tiling
 from app.decoders.ops import conv3d
 from app.decoders.tiling import Grid, blend_edge
@@ -249,10 +249,7 @@ class HunyuanVideoDecoder(VAEDecoder):
     def decode(self, z: Tensor, **options: Any) -> Tensor:
         """What ``AutoencoderKLHunyuanVideo.decode`` returns (frame windows by default); a
         4-D latent is one frame and decodes to a 4-D image."""
-        image = z.ndim == 4
-        chunks = list(self.iter_decode(z.unsqueeze(2) if image else z, **options))
-        out = torch.cat(chunks, 2) if len(chunks) > 1 else chunks[0]
-        return out[:, :, 0] if image else out
+        return decode_chunks(self, z, options)
 
     def iter_decode(self, z: Tensor, **options: Any) -> Iterator[Tensor]:
         """Output frames ``[B,3,t,H,W]`` in order, one frame window at a time.

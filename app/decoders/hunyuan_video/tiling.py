@@ -25,13 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from app.decoders.tiling import Grid
+from app.decoders.tiling import Grid, sample_grid
 
 if TYPE_CHECKING:
     from app.decoders.hunyuan_video.model import HunyuanVideoDecoder
 
-DEFAULT_TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
-DEFAULT_TILE_SAMPLE_STRIDE = 192  # diffusers' tile_sample_stride_height / _width
 DEFAULT_WINDOW_FRAMES = 16  # diffusers' tile_sample_min_num_frames
 DEFAULT_WINDOW_STRIDE = 12  # diffusers' tile_sample_stride_num_frames
 
@@ -74,18 +72,5 @@ def windows(decoder: HunyuanVideoDecoder, frames: int, options: dict[str, Any]) 
 # --- spatial tiles ------------------------------------------------------------------------------
 def grid(decoder: HunyuanVideoDecoder, z: Tensor, options: dict[str, Any]) -> Grid | None:
     """The reference's tiles for latent ``z``; None when it fits in one tile (not tiled)."""
-    size = int(options.get("tile_sample_size") or DEFAULT_TILE_SAMPLE_SIZE)
-    stride = int(options.get("tile_sample_stride") or DEFAULT_TILE_SAMPLE_STRIDE)
     ratio = int(decoder.config.get("spatial_compression_ratio") or decoder.spatial_scale)
-    tile, step = size // ratio, stride // ratio
-    h, w = z.shape[-2:]
-    if h <= tile and w <= tile:
-        return None
-    ys, xs = range(0, h, step), range(0, w, step)
-    return Grid(
-        tiles=[(slice(y, y + tile), slice(x, x + tile)) for y in ys for x in xs],
-        columns=len(xs),
-        stride=stride,
-        blend_extent=size - stride,
-        out_hw=(h * ratio, w * ratio),
-    )
+    return sample_grid(z, options, ratio)

@@ -15,30 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
-from app.decoders.tiling import Grid
+from app.decoders.tiling import Grid, sample_grid
 
 if TYPE_CHECKING:
     from app.decoders.wan.model import WanDecoder
 
-DEFAULT_TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
-DEFAULT_TILE_SAMPLE_STRIDE = 192  # diffusers' tile_sample_stride_height / _width
-
 
 def grid(decoder: WanDecoder, z: Tensor, options: dict[str, Any]) -> Grid | None:
     """The reference's tiles for latent ``z``; None when it fits in one tile (not tiled)."""
-    size = int(options.get("tile_sample_size") or DEFAULT_TILE_SAMPLE_SIZE)
-    stride = int(options.get("tile_sample_stride") or DEFAULT_TILE_SAMPLE_STRIDE)
     ratio = int(decoder.config.get("spatial_compression_ratio") or decoder.spatial_scale)
-    patch = decoder.patch
-    tile, step = size // ratio, stride // ratio
-    h, w = z.shape[-2:]
-    if h <= tile and w <= tile:
-        return None
-    ys, xs = range(0, h, step), range(0, w, step)
-    return Grid(
-        tiles=[(slice(y, y + tile), slice(x, x + tile)) for y in ys for x in xs],
-        columns=len(xs),
-        stride=stride // patch,
-        blend_extent=size // patch - stride // patch,
-        out_hw=(h * ratio // patch, w * ratio // patch),
-    )
+    return sample_grid(z, options, ratio, decoder.patch)
