@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from app.decoders import winograd
+
 
 def to_model(z: Tensor, weight: Tensor) -> Tensor:
     """Move a latent to the weights' device, dtype and memory format (of a conv weight with
@@ -30,11 +32,14 @@ WEIGHT_HEAVY = 64
 
 
 def conv3d(x: Tensor, conv: nn.Conv3d) -> Tensor:
-    """``conv(x)``, float32 on the CPU on the faster of two kernels for its shape: oneDNN, or
+    """``conv(x)``: by Winograd where the fast path prepared ``conv`` (``winograd.prepare``),
+    else float32 on the CPU on the faster of two kernels for its shape: oneDNN, or
     for a weight much larger than its input ``slow_conv3d`` (im2col + GEMM, no weight re-pack).
     PyTorch's own choice goes by B*C*T*H alone, and sends short temporal chunks of the
     low-res, narrow stages to ``slow_conv3d``, several times slower there. Other dtypes and
     devices: PyTorch's own dispatch."""
+    if winograd.runs(x, conv):
+        return winograd.conv3d(x, conv.winograd, conv.bias, conv.padding[-1])
     if x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.enabled:
         pad, stride, dil = list(conv.padding), list(conv.stride), list(conv.dilation)
         if conv.weight.numel() > WEIGHT_HEAVY * x.numel() and dil == [1, 1, 1]:
@@ -192,7 +197,7 @@ def norm_silu_conv_banded(
             kept = x[:, :, r1 - pad : r1].clone()
         if top or bottom:  # zero rows only at the image's edges; columns via the conv's padding
             act = F.pad(act, (0, 0, top, bottom))
-        y = F.conv2d(act, conv.weight, conv.bias, padding=(0, pad))
+        y = winograd.conv_rows(conv, act)
         if skip is not None:
             y += skip(r0, r1)
         out[:, :, r0:r1] = y

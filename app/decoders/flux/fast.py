@@ -3,7 +3,9 @@
 ``optimize`` swaps in:
   * ``PhaseUpsample``: nearest-2x + 3x3 conv as four 2x2 convs on the low-res grid (the same
     sums, 4/9 of the FLOPs, no upsampled tensor);
-  * in-place SiLU (each SiLU reads a fresh GroupNorm output: one buffer instead of two).
+  * in-place SiLU (each SiLU reads a fresh GroupNorm output: one buffer instead of two);
+  * on a CPU in float32, the resnets' 3x3 convs by Winograd's F(2x2, 3x3) (``winograd.py``):
+    16/36 of their GEMM work, not exact but within about 1e-7 of the reference.
 
 ``decode_banded`` runs the same modules with every full-resolution layer a band of rows at a
 time. GroupNorm statistics are global, so it gathers them exactly first (one read of the
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor, nn
 
 from app import timing
-from app.decoders import ops
+from app.decoders import ops, winograd
 
 if TYPE_CHECKING:
     from app.decoders.flux.model import Decoder, MidBlock, ResnetBlock, UpBlock
@@ -36,7 +38,7 @@ class PhaseUpsample(nn.Module):
     def __init__(self, conv: nn.Conv2d) -> None:
         super().__init__()
         self.conv = conv  # kept: the same parameter names as the module it replaces
-        self.phase_weights = ops.upsample_conv_phase_weights(conv.weight)
+        self.phase_weights = ops.upsample_conv_phase_weights(conv.weight.detach())
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.upsample2x_conv3x3_phases(x, self.phase_weights, self.conv.bias)
@@ -50,6 +52,9 @@ def optimize(decoder: Decoder) -> None:
     for module in decoder.modules():
         if isinstance(module, nn.SiLU):
             module.inplace = True
+    # CPU float32 only (``suits``); not the upsamplers' convs: PhaseUpsample runs those
+    for resnets in (decoder.mid_block.resnets, *(b.resnets for b in decoder.up_blocks)):
+        winograd.prepare(resnets)
     decoder.band_bytes = BAND_BYTES
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from app.decoders.base import VAEDecoder, decode_chunks
-from app.decoders.hunyuan_video import tiling
+from app.decoders.hunyuan_video import fast, tiling
 from app.decoders.ops import conv3d
 from app.decoders.tiling import Grid, blend_edge
 from app.timing import phase
@@ -214,6 +214,9 @@ class HunyuanVideoDecoder(VAEDecoder):
 
     def frames_out(self, latent_frames: int) -> int:
         return 1 + self.temporal_scale * (latent_frames - 1)
+
+    def optimize(self) -> None:
+        fast.optimize(self)
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         ups = [(f"up_{i}", block) for i, block in enumerate(self.up_blocks)]

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from app import timing
 from app.decoders.base import VAEDecoder
-from app.decoders.ltx import streaming
+from app.decoders.ltx import fast, streaming
 from app.decoders.ltx.streaming import Conditioning, Stream
 from app.decoders.ops import conv3d
 
@@ -462,6 +462,9 @@ class Decoder(VAEDecoder):
         """RMSNorm [+ timestep shift/scale] -> SiLU -> conv_out -> unpatchify."""
         h = self.norm_out(x, s.cond.mods.get(self))
         return self.unpatchify(self.conv_out(self.conv_act(h), s))
+
+    def optimize(self) -> None:
+        fast.optimize(self)
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         head = (self.norm_out, self.conv_act, self.conv_out, self.unpatchify)

@@ -1,9 +1,14 @@
 """The Wan fast path, served only behind the parity gate.
 
-On the CPU, ``optimize`` stores the 3-D convolution weights in channels_last_3d (the latent
-follows them: ``ops.to_model``; the temporal stream keeps the layout), which oneDNN runs faster
-than NCDHW (docs/BENCHMARKS.md). Those weights are then the copy's own: a float32 CPU copy
-otherwise shares the reference's tensors. On a GPU nothing changes (not measured there).
+On the CPU, ``optimize``
+  * gives the float32 3x3 convs of 128 to 384 channels their Winograd operands
+    (``winograd.py``; ``ops.conv3d`` then runs them by F(4x4, 3x3)). They take four times
+    those weights' memory (docs/BENCHMARKS.md);
+  * stores the other 3-D conv weights in channels_last_3d (the latent follows them:
+    ``ops.to_model``; the temporal stream keeps the layout), which oneDNN runs faster than
+    NCDHW. Those weights are then the copy's own: a float32 CPU copy otherwise shares the
+    reference's tensors.
+On a GPU nothing changes (not measured there).
 """
 
 from __future__ import annotations
@@ -11,14 +16,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
+
+from app.decoders import winograd
 
 if TYPE_CHECKING:
     from app.decoders.wan.model import WanDecoder
+
+MAX_CHANNELS = 384
 
 
 def optimize(decoder: WanDecoder) -> None:
     if decoder.conv_in.weight.device.type != "cpu":
         return
-    for param in decoder.parameters():
-        if param.dim() == 5:
-            param.data = param.data.contiguous(memory_format=torch.channels_last_3d)
+    winograd.prepare(decoder, max_channels=MAX_CHANNELS)
+    for conv in decoder.modules():
+        if isinstance(conv, nn.Conv3d) and not hasattr(conv, "winograd"):
+            conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last_3d)
