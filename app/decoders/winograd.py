@@ -42,9 +42,11 @@ def transform_weight(weight: Tensor) -> Tensor:
     """``[out, in, 3, 3]`` or ``[out, in, kt, 3, 3]`` -> ``[kt, 36, in, out]``: per temporal
     tap, one GEMM operand per tile position."""
     w = weight if weight.ndim == 5 else weight.unsqueeze(2)
-    g = torch.tensor(_G, dtype=torch.float64, device=weight.device)
-    u = torch.einsum("ak,oitkl,bl->tabio", g, w.double(), g)
-    return u.reshape(w.shape[2], 36, w.shape[1], w.shape[0]).to(weight.dtype).contiguous()
+    cout, cin, kt = w.shape[:3]
+    g = torch.tensor(_G, dtype=weight.dtype, device=weight.device)
+    pairs = w.permute(2, 3, 4, 1, 0).reshape(kt, 3, 3, cin * cout)  # [t, k, l, (in, out)]
+    u = torch.einsum("ak,tklz,bl->tabz", g, pairs, g)  # float32 is exact to a few 1e-8 here
+    return u.reshape(kt, 36, cin, cout).contiguous()
 
 
 def conv3x3(x: Tensor, u: Tensor, bias: Tensor | None, pad_rows: int = 1) -> Tensor:
