@@ -40,6 +40,21 @@ def channels_last_3d(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def own_bytes(copy: torch.nn.Module, reference: torch.nn.Module) -> int:
+    """Bytes of ``copy``'s parameters and buffers that are not ``reference``'s storage: what
+    serving the copy adds to a process that holds the reference (a float32 CPU copy shares
+    the reference's weights; fast paths add their own tensors, e.g. Winograd operands)."""
+    tensors = (*reference.parameters(), *reference.buffers())
+    seen = {t.untyped_storage().data_ptr() for t in tensors}
+    total = 0
+    for t in (*copy.parameters(), *copy.buffers()):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()

@@ -46,7 +46,7 @@ class Setup:
 
     shape: str
     peers: dict[str, Callable[[], Decode]]  # setting -> make() -> decode(), built lazily
-    served: Callable[[], tuple[str, Decode]]  # make() -> (served mode, decode())
+    served: Callable[[], tuple[str, Decode, int]]  # make() -> (mode, decode(), own bytes)
 
 
 def served_mode() -> modes.Mode:
@@ -55,11 +55,11 @@ def served_mode() -> modes.Mode:
     return modes.candidate_modes("auto", CPU)[0]
 
 
-def _served(reference: torch.nn.Module, decode: Callable) -> Callable[[], tuple[str, Decode]]:
-    def make() -> tuple[str, Decode]:
+def _served(reference: torch.nn.Module, decode: Callable) -> Callable[[], tuple[str, Decode, int]]:
+    def make() -> tuple[str, Decode, int]:
         mode = served_mode()
         model = modes.build(reference, CPU, mode)
-        return str(mode), lambda: decode(model)
+        return str(mode), lambda: decode(model), common.own_bytes(model, reference)
 
     return make
 
@@ -197,10 +197,11 @@ def minimax_h3(scale: str) -> Setup:
 
         return make
 
-    def served() -> tuple[str, Decode]:
+    def served() -> tuple[str, Decode, int]:
         mode = served_mode()
         model = modes.build(decoder, CPU, mode)
-        return str(mode), update(b.stack(model.decoder.transformer_blocks, x, ours_rope))
+        decode = update(b.stack(model.decoder.transformer_blocks, x, ours_rope))
+        return str(mode), decode, common.own_bytes(model, decoder)
 
     return Setup(
         f"1 ViT3D block, {n} tokens",
@@ -263,7 +264,7 @@ def measure(family: str, scale: str, repeats: int, skip_bf16: bool) -> dict:
             peers[setting] = EMULATED
         else:
             decodes[setting] = make()
-    mode, decodes[SERVED] = setup.served()
+    mode, decodes[SERVED], own = setup.served()
     outputs = {name: fn().float() for name, fn in decodes.items()}  # also the warm-ups
     times = common.interleaved(decodes, CPU, repeats)  # a load change hits every variant
     seconds = times.pop(SERVED)
@@ -280,6 +281,7 @@ def measure(family: str, scale: str, repeats: int, skip_bf16: bool) -> dict:
         "best_s": timed[best],
         "served": mode,
         "service_s": seconds,
+        "own_mib": own / 2**20,
         "ratio": timed[best] / seconds,
         "cos": cos,
     }
@@ -312,20 +314,21 @@ def machine_line() -> str:
 
 def format_table(rows: list[dict]) -> str:
     lines = [
-        "| family | shape | diffusers' best | its s | service s (served mode) | vs best | cos vs "
-        "diffusers fp32 | diffusers settings measured |",
-        "|---|---|---|---|---|---|---|---|",
+        "| family | shape | diffusers' best | its s | service s (served mode) | vs best "
+        "| served copy's own MiB | cos vs diffusers fp32 | diffusers settings measured |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['family']} | - | - | - | - | - | - | failed: {r['error']} |")
+            lines.append(f"| {r['family']} | - | - | - | - | - | - | - | failed: {r['error']} |")
             continue
         settings = "; ".join(
             f"{k} {v:.2f} s" if isinstance(v, float) else f"{k} {v}" for k, v in r["peers"].items()
         )
         lines.append(
             f"| {r['family']} | {r['shape']} | {r['best']} | {r['best_s']:.2f} "
-            f"| {r['service_s']:.2f} ({r['served']}) | {r['ratio']:.2f}x | {r['cos']:.7f} "
+            f"| {r['service_s']:.2f} ({r['served']}) | {r['ratio']:.2f}x | {r['own_mib']:.0f} "
+            f"| {r['cos']:.7f} "
             f"| {settings} |"
         )
     return "\n".join(lines)

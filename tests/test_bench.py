@@ -36,9 +36,24 @@ def test_table_rows_on_the_tiniest_shapes():
     assert row["best"] in ("fp32", "fp32+CL3d") and row["best_s"] > 0 and row["service_s"] > 0
     assert row["ratio"] == pytest.approx(row["best_s"] / row["service_s"])
     assert row["cos"] >= 0.99999  # the served path is exact (float32 here)
+    assert row["own_mib"] >= 0
     printed = table.format_table([row, {"family": "wan", "error": "boom"}])
     assert (
         "| ltx2 |" in printed and "skipped: bf16 emulated" in printed and "failed: boom" in printed
     )
     assert set(table.cpu_flags()) == {"AVX2", "AVX-512-BF16", "AMX"}
     assert "AVX2" in table.machine_line()
+
+
+def test_own_bytes_counts_what_a_served_copy_adds():
+    from torch import nn
+
+    from app.decoders import winograd
+    from bench.common import own_bytes
+
+    reference = nn.Conv2d(128, 128, 3, padding=1)
+    served = nn.Conv2d(128, 128, 3, padding=1)
+    served.weight, served.bias = reference.weight, reference.bias  # shared, as on a CPU
+    assert own_bytes(served, reference) == 0
+    winograd.prepare(served)
+    assert own_bytes(served, reference) == 36 * 128 * 128 * 4

@@ -38,7 +38,8 @@ class PhaseUpsample(nn.Module):
     def __init__(self, conv: nn.Conv2d) -> None:
         super().__init__()
         self.conv = conv  # kept: the same parameter names as the module it replaces
-        self.phase_weights = ops.upsample_conv_phase_weights(conv.weight.detach())
+        weights = ops.upsample_conv_phase_weights(conv.weight.detach())
+        self.register_buffer("phase_weights", weights, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return ops.upsample2x_conv3x3_phases(x, self.phase_weights, self.conv.bias)
