@@ -82,19 +82,18 @@ def test_suits(conv, suits):
 
 def _flux_pair() -> tuple[flux.Decoder, AutoencoderKL]:
     """A FLUX.1-shaped decoder wide enough (128 channels) for the Winograd convs."""
-    torch.manual_seed(0)
-    config = dict(block_out_channels=(128, 128), layers_per_block=1, norm_num_groups=32)
-    ref = AutoencoderKL(
+    config = dict(block_out_channels=[128, 128], layers_per_block=1, norm_num_groups=32)
+    ref = helpers.seeded(
+        AutoencoderKL,
         latent_channels=16,
         use_quant_conv=False,
         use_post_quant_conv=False,
         down_block_types=("DownEncoderBlock2D",) * 2,
         up_block_types=("UpDecoderBlock2D",) * 2,
         **config,
-    ).eval()
-    ours = flux.Decoder({"latent_channels": 16, **config, "block_out_channels": [128, 128]})
-    decoder = {k: v for k, v in ref.state_dict().items() if k.startswith("decoder.")}
-    ours.load_state_dict({k.removeprefix("decoder."): v for k, v in decoder.items()})
+    )
+    ours = flux.Decoder({"latent_channels": 16, **config})
+    ours.load_state_dict(helpers.decoder_state(ref))
     return ours.eval().requires_grad_(False), ref
 
 
