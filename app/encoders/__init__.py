@@ -1,0 +1,16 @@
+"""Encoder families, loaded by name: one package each, behind ``base.VAEEncoder``. The keys are
+the decoder families' (``app.decoders.FAMILIES``); a family without an encoder is absent."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+ENCODERS: dict[str, str] = {}
+
+
+def encoder_module(family: str) -> ModuleType:
+    """The encoder module of one family; ``KeyError`` names the families that have one."""
+    if family not in ENCODERS:
+        raise KeyError(f"no encoder for family {family!r}; encoders: {', '.join(ENCODERS)}")
+    return importlib.import_module(ENCODERS[family])
