@@ -42,6 +42,11 @@ def check_name(name: str) -> str:
     return name
 
 
+def entry_dir(store: Path, name: str) -> Path:
+    """The folder that holds one entry's current files (manifest, weights, gate references)."""
+    return Path(store) / check_name(name)
+
+
 @dataclass
 class Manifest:
     name: str
