@@ -98,14 +98,13 @@ def _bake(args: argparse.Namespace) -> int:
     import torch
 
     from app.decoders import FAMILIES, family_module
-    from app.store import WEIGHTS, list_models, write_model
+    from app.store import write_model
 
     store = Path(args.models_dir)
-    done = {n for n in list_models(store) if (store / n / WEIGHTS).is_file()}
     for family in FAMILIES:
         module = family_module(family)
         for name, config in getattr(module, "SYNTHETIC", {}).items():
-            if (args.only and name not in args.only) or (name in done and not args.force):
+            if (args.only and name not in args.only) or (_complete(store, name) and not args.force):
                 continue
             decoder = module.Decoder(config)
             module.init_synthetic(decoder, torch.Generator().manual_seed(0))
@@ -122,25 +121,59 @@ def _bake(args: argparse.Namespace) -> int:
     return 0
 
 
+def _complete(store: Path, name: str) -> bool:
+    """An entry bake may skip: every part present and matching the manifest's hashes."""
+    from app.store import StoreError, verify_entry
+
+    if not (store / name).exists():
+        return False
+    try:
+        verify_entry(store, name)
+        return True
+    except StoreError as exc:
+        print(f"rebaking {name}: {exc}", file=sys.stderr)
+        return False
+
+
 def _import(args: argparse.Namespace) -> int:
     from app.decoders import family_module
-    from app.store import write_model
+    from app.store import StoreError, write_model
 
     config, state = family_module(args.family).convert(args.source)
-    manifest = write_model(
-        Path(args.models_dir),
-        args.name,
-        args.family,
-        config,
-        state,
-        source=str(args.source.resolve()),
-        dtype=args.dtype,
-    )
+    encoder_config, encoder_state = _convert_encoder(args.family, args.source)
+    try:
+        manifest = write_model(
+            Path(args.models_dir),
+            args.name,
+            args.family,
+            config,
+            state,
+            source=str(args.source.resolve()),
+            dtype=args.dtype,
+            encoder_state=encoder_state,
+            encoder_config=encoder_config,
+        )
+    except StoreError as exc:
+        print(f"import refused: {exc}", file=sys.stderr)
+        return 2
     print(
         f"imported {args.source} as {manifest.name} ({manifest.family}, {manifest.dtype}, "
-        f"sha256 {manifest.sha256[:12]})"
+        f"parts {'+'.join(manifest.parts)}, sha256 {manifest.sha256[:12]})"
     )
     return 0
+
+
+def _convert_encoder(family: str, source: Path) -> tuple[dict | None, dict | None]:
+    """The checkpoint's encoder, when the family has an encoder package whose ``convert``
+    finds one (it returns ``(config, state)`` or None); else (None, None): decoder only."""
+    from app.encoders import encoder_module
+
+    try:
+        convert = getattr(encoder_module(family), "convert", None)
+    except KeyError:
+        return None, None
+    found = convert(source) if callable(convert) else None
+    return found if found is not None else (None, None)
 
 
 def _decode(args: argparse.Namespace) -> int:

@@ -1,34 +1,63 @@
-"""The model store: ``DIR/NAME/manifest.json`` + ``DIR/NAME/decoder.safetensors``.
+"""The model store: one folder per entry, published whole by one atomic pointer.
 
-``import`` converts a checkpoint once into canonical decoder-only safetensors; ``serve``
-memory-maps them (safetensors only: nothing on the load path unpickles).
+Layout (docs in README, "Model store")::
+
+    DIR/NAME -> .entries/NAME@<version>      a relative symlink: the entry's one atomic pointer
+    DIR/.entries/NAME@<version>/manifest.json, decoder.safetensors[, encoder.safetensors]
+    DIR/.locks/NAME.lock                      flock: one writer per name at a time
+
+A writer builds a new version folder completely (weights, manifest, fsynced), then swaps the
+symlink with a rename: a crash at any point leaves the old entry or the new one, never a mix;
+unpublished versions are removed by the next writer of that name. Stores of the older flat
+layout (``DIR/NAME/manifest.json`` + ``decoder.safetensors``) load as they are, and the next
+write upgrades them atomically. ``import`` converts a checkpoint once into canonical
+safetensors; ``serve`` memory-maps them (nothing on the load path unpickles).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
+import shutil
+import signal
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from app.decoders import family_module
 from app.decoders.base import VAEDecoder
 
+log = logging.getLogger(__name__)
+
 MANIFEST = "manifest.json"
 WEIGHTS = "decoder.safetensors"
+PART_FILES = {"decoder": WEIGHTS, "encoder": "encoder.safetensors"}
+ENTRIES, LOCKS = ".entries", ".locks"
+VERSION_SEP = "@"  # never in a name, so "NAME@" prefixes only NAME's versions
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch it: "$" passes "x\n"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Whoever serves a store may not be whoever wrote it (the image bakes as root and serves as an
 # unprivileged user), and safetensors writes 0600: every entry is made world-readable.
 READABLE_FILE, READABLE_DIR = 0o444, 0o555
+# Test hook: the writer stops itself (SIGSTOP) at this named step, so a test can kill it there
+# or let it go on (SIGCONT). Steps: locked, decoder, encoder, manifest, published.
+PAUSE_ENV = "VAE_STORE_PAUSE_AT"
 
 
 class StoreError(Exception):
@@ -43,8 +72,14 @@ def check_name(name: str) -> str:
 
 
 def entry_dir(store: Path, name: str) -> Path:
-    """The folder that holds one entry's current files (manifest, weights, gate references)."""
-    return Path(store) / check_name(name)
+    """The folder holding one entry's current manifest and weights (its published version, or
+    the flat folder of an older store). Files written there belong to that version: write them
+    atomically (temporary name, then rename); a later import of the name replaces the folder."""
+    link = Path(store) / check_name(name)
+    return link.resolve() if link.is_symlink() else link
+
+
+# --- manifest ------------------------------------------------------------------------------
 
 
 @dataclass
@@ -54,17 +89,38 @@ class Manifest:
     config: dict[str, Any]
     dtype: str
     source: str
-    sha256: str
+    sha256: str  # the decoder's weights (what manifests before ``parts`` held)
     created: str = ""
+    # part -> {"file", "sha256"[, "config"]}; older manifests: the decoder only, from ``sha256``
+    parts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    integrity: str = ""  # sha256 of every other field: an edited manifest fails it
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            self.parts = {"decoder": {"file": WEIGHTS, "sha256": self.sha256}}
+
+    @property
+    def encoder_config(self) -> dict[str, Any]:
+        return self.parts.get("encoder", {}).get("config", self.config)
 
     @classmethod
     def read(cls, folder: Path) -> Manifest:
         data = json.loads((folder / MANIFEST).read_text())
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
+    def fields(self) -> dict[str, Any]:
+        """The manifest as JSON holds it (lists, not tuples), without ``integrity``."""
+        data = {k: v for k, v in self.__dict__.items() if k != "integrity"}
+        return json.loads(json.dumps(data))
+
+    def digest(self) -> str:
+        canonical = json.dumps(self.fields(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
     def write(self, folder: Path) -> None:
-        text = json.dumps(self.__dict__, indent=2, sort_keys=True) + "\n"
-        (folder / MANIFEST).write_text(text)
+        self.integrity = self.digest()
+        text = json.dumps({**self.fields(), "integrity": self.integrity}, indent=2, sort_keys=True)
+        _write_synced(folder / MANIFEST, (text + "\n").encode())
 
 
 def public_source(source: str) -> str:
@@ -83,6 +139,94 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+# --- config against weights, before anything is built ------------------------------------
+
+
+def meta_module(build: Callable[[], nn.Module], what: str) -> nn.Module:
+    """Build a module on the meta device: shapes only, no memory, however large the config."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except Exception as exc:
+        raise StoreError(f"{what}: its config does not build: {exc}") from exc
+
+
+def check_shapes(what: str, module: nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse weights whose names or shapes differ from ``module``'s (built on meta)."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing, unexpected = sorted(expected.keys() - shapes), sorted(shapes.keys() - expected)
+    if missing or unexpected:
+        raise StoreError(
+            f"{what}: weights do not fit the config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for key, shape in expected.items():
+        if shapes[key] != shape:
+            raise StoreError(
+                f"{what}: the config gives {key} the shape {list(shape)}, the weights "
+                f"{list(shapes[key])}"
+            )
+
+
+def check_weights_file(what: str, module: nn.Module, path: Path) -> None:
+    """The safetensors header against a meta-built module: every name and shape (the first
+    mismatch is named, with the byte totals when the config builds more than the file holds).
+    Reads the header only."""
+    with safe_open(str(path), framework="pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    need = sum(
+        v.numel() * _dtype_bytes(dtypes.get(k), v.element_size())
+        for k, v in module.state_dict().items()
+    )
+    have = path.stat().st_size
+    try:
+        check_shapes(what, module, shapes)
+    except StoreError as exc:
+        if need <= have:
+            raise
+        size = f"the config builds {need / 1e6:.1f} MB of weights, {path.name} holds {have / 1e6:.1f} MB"
+        raise StoreError(f"{exc} ({size})") from None
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}
+
+
+def _dtype_bytes(code: str | None, default: int) -> int:
+    return _SAFETENSORS_BYTES.get(code or "", 1 if code else default)
+
+
+def _encoder_builder(family: str) -> Callable[[dict[str, Any]], nn.Module] | None:
+    """The family's encoder class when it has one (``app.encoders``), else None."""
+    from app.encoders import encoder_module
+
+    try:
+        return encoder_module(family).Encoder
+    except KeyError:
+        return None
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def entry_lock(store: Path, name: str) -> Iterator[None]:
+    """Hold the per-name write lock (``DIR/.locks/NAME.lock``); a second writer of the name
+    waits for the first (and says so once), writers of other names do not."""
+    locks = Path(store) / LOCKS
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{check_name(name)}.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"store: waiting for another write of {name} to finish", file=sys.stderr)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def write_model(
     store: Path,
     name: str,
@@ -91,40 +235,122 @@ def write_model(
     state: dict[str, Tensor],
     source: str,
     dtype: str | None = None,
+    encoder_state: dict[str, Tensor] | None = None,
+    encoder_config: dict[str, Any] | None = None,
 ) -> Manifest:
-    """Write one entry: weights checked against the family's decoder, then the manifest."""
-    folder = Path(store) / check_name(name)
-    decoder = family_module(family).Decoder(config)
-    missing, unexpected = _compare_keys(decoder, state)
-    if missing or unexpected:
-        raise StoreError(
-            f"{name}: weights do not fit the {family} decoder: missing "
-            f"{missing[:5]}, unexpected {unexpected[:5]}"
-        )
+    """Write one entry as a whole (decoder, optional encoder, manifest) and publish it with one
+    atomic rename, under the name's lock. The weights are checked against the family's modules
+    (built on meta) before anything touches the disk."""
+    store = Path(store)
+    check_name(name)
+    parts = {"decoder": state}
+    decoder = meta_module(lambda: family_module(family).Decoder(config), f"{name} ({family})")
+    check_shapes(f"{name}: decoder", decoder, _shapes(state))
+    if encoder_state is not None:
+        parts["encoder"] = encoder_state
+        build = _encoder_builder(family)
+        if build is not None:  # an encoder family to check against; else stored as given
+            module = meta_module(lambda: build(encoder_config or config), f"{name} encoder")
+            check_shapes(f"{name}: encoder", module, _shapes(encoder_state))
     dtype = dtype or _dominant_dtype(state)
-    cast = {
-        k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous()
-        for k, v in state.items()
-    }
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / (WEIGHTS + ".tmp")
-    save_file(cast, str(tmp))  # no metadata: its order is not stable, and sha256 must be
-    _add_mode(tmp, READABLE_FILE)
-    tmp.replace(folder / WEIGHTS)
-    manifest = Manifest(
-        name,
-        family,
-        config,
-        dtype,
-        source,
-        sha256_file(folder / WEIGHTS),
-        time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    )
-    manifest.write(folder)
-    for path, mode in ((folder / MANIFEST, READABLE_FILE), (folder, READABLE_DIR)):
-        _add_mode(path, mode)
-    _add_mode(Path(store), READABLE_DIR)
+    store.mkdir(parents=True, exist_ok=True)
+    with entry_lock(store, name):
+        _pause("locked")
+        entries = store / ENTRIES
+        entries.mkdir(exist_ok=True)
+        _remove_versions(store, name)  # leftovers of a killed writer: never published
+        version = Path(tempfile.mkdtemp(prefix=name + VERSION_SEP, dir=entries))
+        described: dict[str, dict[str, Any]] = {}
+        for part, tensors in parts.items():
+            path = version / PART_FILES[part]
+            save_file(_cast(tensors, dtype), str(path))  # no metadata: its order is not stable
+            _fsync(path)
+            described[part] = {"file": path.name, "sha256": sha256_file(path)}
+            _pause(part)
+        if encoder_config is not None:
+            described["encoder"]["config"] = encoder_config
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        sha = described["decoder"]["sha256"]
+        manifest = Manifest(name, family, config, dtype, source, sha, created, described)
+        manifest.write(version)
+        for path in version.iterdir():
+            _add_mode(path, READABLE_FILE)
+        for folder in (version, entries, store):
+            _add_mode(folder, READABLE_DIR)
+        _fsync(version)
+        _pause("manifest")
+        _publish(store, name, version)
+        _pause("published")
+        _remove_versions(store, name, keep=version.name)
     return manifest
+
+
+def _publish(store: Path, name: str, version: Path) -> None:
+    """Point ``DIR/NAME`` at ``version`` with one rename (an older flat folder is exchanged
+    for the link atomically, then removed)."""
+    link, target = store / name, f"{ENTRIES}/{version.name}"
+    staged = store / ENTRIES / f"{name}{VERSION_SEP}link"
+    if staged.is_symlink() or staged.exists():
+        _remove(staged)
+    os.symlink(target, staged)
+    if link.is_dir() and not link.is_symlink():  # the flat layout: a real folder
+        if not _exchange(staged, link):  # no renameat2: a short window without the entry
+            os.rename(link, store / ENTRIES / f"{name}{VERSION_SEP}flat")
+            os.replace(staged, link)
+    else:
+        os.replace(staged, link)
+    _fsync(store)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def _remove_versions(store: Path, name: str, keep: str = "") -> None:
+    """Remove NAME's versions other than ``keep`` and the current one (only a writer holding
+    the name's lock calls this, so none of them is being written)."""
+    current = os.readlink(store / name) if (store / name).is_symlink() else ""
+    for path in (store / ENTRIES).glob(f"{name}{VERSION_SEP}*"):
+        if path.name not in (keep, Path(current).name):
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _pause(step: str) -> None:
+    if os.environ.get(PAUSE_ENV) == step:
+        print(f"store: paused at {step} ({PAUSE_ENV})", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _add_mode(path: Path, bits: int) -> None:
@@ -132,9 +358,15 @@ def _add_mode(path: Path, bits: int) -> None:
     os.chmod(path, os.stat(path).st_mode & 0o7777 | bits)
 
 
-def _compare_keys(decoder: VAEDecoder, state: dict[str, Tensor]) -> tuple[list[str], list[str]]:
-    expected = set(decoder.state_dict())
-    return sorted(expected - set(state)), sorted(set(state) - expected)
+def _shapes(state: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def _cast(state: dict[str, Tensor], dtype: str) -> dict[str, Tensor]:
+    return {
+        k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous()
+        for k, v in state.items()
+    }
 
 
 def _dominant_dtype(state: dict[str, Tensor]) -> str:
@@ -147,30 +379,106 @@ def _dominant_dtype(state: dict[str, Tensor]) -> str:
     return best if best in DTYPES else "float32"
 
 
+# --- reading ---------------------------------------------------------------------------------
+
+
 def list_models(store: Path) -> list[str]:
     """Names of the entries that have a manifest (weights may still be missing)."""
     store = Path(store)
     if not store.is_dir():
         return []
-    return sorted(p.name for p in store.iterdir() if (p / MANIFEST).is_file())
+    return sorted(
+        p.name for p in store.iterdir() if NAME_RE.fullmatch(p.name) and (p / MANIFEST).is_file()
+    )
 
 
-def load_model(store: Path, name: str, verify: bool = False) -> tuple[Manifest, VAEDecoder]:
-    """Memory-map one entry into its decoder (float32 CPU when the store holds float32)."""
-    folder = Path(store) / check_name(name)
+def read_manifest(store: Path, name: str) -> tuple[Path, Manifest]:
+    """An entry's folder and manifest, its integrity hash checked (manifests written before
+    the hash existed have none to check)."""
+    folder = entry_dir(store, name)
     try:
         manifest = Manifest.read(folder)
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise StoreError(f"{name}: unreadable manifest: {exc}") from exc
-    weights = folder / WEIGHTS
-    if not weights.is_file():
-        raise StoreError(f"{name}: {WEIGHTS} is missing (run `python -m app bake` or `import`)")
-    if verify and sha256_file(weights) != manifest.sha256:
-        raise StoreError(f"{name}: {WEIGHTS} does not match the manifest's sha256")
+    if manifest.integrity and manifest.integrity != manifest.digest():
+        raise StoreError(
+            f"{name}: {MANIFEST} was edited after import (its integrity hash no longer matches "
+            "its config, family, dtype and weights); import the model again"
+        )
+    return folder, manifest
+
+
+def part_path(name: str, folder: Path, manifest: Manifest, part: str, verify: bool) -> Path:
+    """One part's weights file, present and (``verify``) matching its sha256."""
+    if part not in manifest.parts:
+        held = ", ".join(manifest.parts)
+        raise StoreError(
+            f"{name} holds no {part} (its parts: {held}); import a checkpoint with one"
+        )
+    path = folder / manifest.parts[part]["file"]
+    if not path.is_file():
+        raise StoreError(f"{name}: {path.name} is missing (run `python -m app bake` or `import`)")
+    if verify and sha256_file(path) != manifest.parts[part]["sha256"]:
+        raise StoreError(f"{name}: {path.name} does not match the manifest's sha256")
+    return path
+
+
+def verify_entry(store: Path, name: str) -> Manifest:
+    """Every part of an entry present and matching its hash; nothing is built."""
+    folder, manifest = read_manifest(store, name)
+    for part in manifest.parts:
+        part_path(name, folder, manifest, part, verify=True)
+    return manifest
+
+
+def load_model(store: Path, name: str, verify: bool = False) -> tuple[Manifest, VAEDecoder]:
+    """Memory-map one entry into its decoder (float32 CPU when the store holds float32). The
+    config is checked against the weights file's header on the meta device first."""
+    folder, manifest = read_manifest(store, name)
+    weights = part_path(name, folder, manifest, "decoder", verify)
+    build = _decoder_class(name, manifest)
+    meta = meta_module(lambda: build(manifest.config), f"{name} ({manifest.family})")
+    try:
+        check_weights_file(f"{name}: {WEIGHTS}", meta, weights)
+    except StoreError:
+        raise
+    except Exception as exc:  # not a safetensors file: name the entry
+        raise StoreError(f"{name}: cannot load {WEIGHTS}: {exc}") from exc
     try:
         state = load_file(str(weights))  # memory-mapped, no pickle
-        decoder = family_module(manifest.family).Decoder(manifest.config)
+        decoder = build(manifest.config)
         decoder.load_state_dict(state, strict=True, assign=True)
     except Exception as exc:  # a corrupt entry must name itself, not take the service down
         raise StoreError(f"{name}: cannot load {WEIGHTS}: {exc}") from exc
     return manifest, decoder.eval().requires_grad_(False)
+
+
+def _decoder_class(name: str, manifest: Manifest) -> Callable[[dict[str, Any]], VAEDecoder]:
+    try:
+        return family_module(manifest.family).Decoder
+    except KeyError as exc:
+        raise StoreError(f"{name}: {exc.args[0]}") from exc
+
+
+def load_encoder(
+    store: Path, name: str, verify: bool = False
+) -> tuple[Manifest, dict[str, Tensor]]:
+    """Memory-map one entry's encoder tensors (checked against the family's encoder, built on
+    meta, when the family has one). A decoder-only entry raises StoreError."""
+    folder, manifest = read_manifest(store, name)
+    if "encoder" not in manifest.parts:
+        raise StoreError(
+            f"{name} holds no encoder (a decoder-only entry): import a checkpoint that has one"
+        )
+    path = part_path(name, folder, manifest, "encoder", verify)
+    try:
+        build = _encoder_builder(manifest.family)
+        if build is not None:
+            config = manifest.encoder_config
+            module = meta_module(lambda: build(config), f"{name} encoder")
+            check_weights_file(f"{name}: {path.name}", module, path)
+        return manifest, load_file(str(path))
+    except StoreError:
+        raise
+    except Exception as exc:
+        raise StoreError(f"{name}: cannot load {path.name}: {exc}") from exc

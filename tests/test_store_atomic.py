@@ -1,0 +1,288 @@
+"""The store under crashes, races and edited manifests, driven through `python -m app import`.
+
+A writer stops itself at a named step (``VAE_STORE_PAUSE_AT``, app/store.py); the test then
+kills it (SIGKILL) or lets it go on (SIGCONT) and checks what the store serves: always one
+whole entry, its manifest's source and config matching its weights, every hash verified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKL
+
+from app.decoders import family_module
+from app.store import (
+    ENTRIES,
+    PAUSE_ENV,
+    StoreError,
+    entry_dir,
+    load_encoder,
+    load_model,
+    verify_entry,
+    write_model,
+)
+from tests.conftest import ROOT
+from tests.test_store import CFG
+
+STEPS_BEFORE_PUBLISH = ["locked", "decoder", "manifest"]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, dict]:
+    """Two diffusers checkpoints that differ in weights and in their config's scaling factor,
+    each with what an entry made from it must hold (its decoder sha256 and config)."""
+    root = tmp_path_factory.mktemp("sources")
+    out = {}
+    for label, seed, factor in (("a", 1, 0.9), ("b", 2, 0.5)):
+        torch.manual_seed(seed)
+        AutoencoderKL(**CFG, scaling_factor=factor).save_pretrained(root / label)
+        config, state = family_module("flux").convert(root / label)
+        reference = write_model(root / "ref", label, "flux", config, state, source=label)
+        out[label] = {
+            "path": root / label,
+            "sha256": reference.sha256,
+            "config": reference.config,
+            "factor": factor,
+        }
+    return out
+
+
+def _start(store: Path, source: Path, pause: str | None = None, log: Path | None = None):
+    env = {**os.environ, PAUSE_ENV: pause or ""}
+    args = [sys.executable, "-m", "app", "import", "flux", str(source), "--name", "m"]
+    err = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115 (the child holds it)
+    return subprocess.Popen(
+        [*args, "--models-dir", str(store)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err
+    )
+
+
+def _wait_stopped(proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Until the writer has stopped itself (state T in /proc); fails if it exits instead."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"exited {proc.returncode} before pausing"
+        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "T":
+            return
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the writer never reached its pause step")
+
+
+def _kill_at(store: Path, source: Path, step: str) -> None:
+    proc = _start(store, source, pause=step)
+    _wait_stopped(proc)
+    proc.kill()
+    proc.wait(30)
+
+
+def _served(store: Path, sources: dict) -> str:
+    """Which source the entry holds, after checking it is that source as a whole."""
+    manifest, decoder = load_model(store, "m", verify=True)
+    label = Path(manifest.source).name
+    assert manifest.parts["decoder"]["sha256"] == sources[label]["sha256"], "weights mixed"
+    assert manifest.config == sources[label]["config"], "config mixed"
+    assert decoder.config["scaling_factor"] == sources[label]["factor"]
+    return label
+
+
+def _versions(store: Path) -> list[str]:
+    return sorted(p.name for p in (store / ENTRIES).iterdir())
+
+
+def _seed(store: Path, source: Path) -> None:
+    config, state = family_module("flux").convert(source)
+    write_model(store, "m", "flux", config, state, source=str(source.resolve()))
+
+
+@pytest.mark.parametrize("step", [*STEPS_BEFORE_PUBLISH, "published"])
+def test_a_killed_import_leaves_the_old_entry_or_the_new(step, sources, tmp_path):
+    store = tmp_path / "store"
+    _seed(store, sources["a"]["path"])
+    _kill_at(store, sources["b"]["path"], step)
+    assert _served(store, sources) == ("b" if step == "published" else "a")
+    done = _start(store, sources["b"]["path"])  # the next import cleans what the kill left
+    assert done.wait(180) == 0, done.stderr.read()
+    assert _served(store, sources) == "b"
+    assert _versions(store) == [entry_dir(store, "m").name]
+
+
+def test_a_flat_entry_of_an_older_store_loads_and_is_replaced_atomically(sources, tmp_path):
+    store = tmp_path / "store"
+    _seed(store, sources["a"]["path"])
+    version = entry_dir(store, "m")
+    (store / "m").unlink()
+    shutil.copytree(version, store / "m")  # DIR/NAME/manifest.json + decoder.safetensors
+    shutil.rmtree(store / ENTRIES)
+    old = json.loads((store / "m" / "manifest.json").read_text())
+    for key in ("parts", "integrity"):
+        del old[key]  # a manifest written before parts and the integrity hash
+    (store / "m" / "manifest.json").write_text(json.dumps(old))
+    assert _served(store, sources) == "a"
+    _kill_at(store, sources["b"]["path"], "manifest")
+    assert (store / "m").is_dir() and not (store / "m").is_symlink()
+    assert _served(store, sources) == "a"
+    _kill_at(store, sources["b"]["path"], "published")
+    assert (store / "m").is_symlink() and _served(store, sources) == "b"
+
+
+@pytest.mark.parametrize("step", ["decoder", "manifest"])
+def test_two_imports_of_one_name_serialize(step, sources, tmp_path):
+    """A pauses holding the lock; B starts, says it waits, and does; A resumes: both succeed
+    and the entry is B's as a whole (the issue's round ended with A's manifest over B's
+    weights)."""
+    store, log = tmp_path / "store", tmp_path / "b.log"
+    first = _start(store, sources["a"]["path"], pause=step)
+    _wait_stopped(first)
+    second = _start(store, sources["b"]["path"], log=log)
+    deadline = time.monotonic() + 180
+    while "waiting for another write of m" not in log.read_text():
+        assert second.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert second.poll() is None  # still waiting: A holds the lock
+    os.kill(first.pid, signal.SIGCONT)
+    assert first.wait(180) == 0, first.stderr.read()
+    assert second.wait(180) == 0, log.read_text()
+    assert _served(store, sources) == "b"
+    assert _versions(store) == [entry_dir(store, "m").name]
+
+
+def test_an_edited_config_is_refused_at_startup(sources, tmp_path):
+    store = tmp_path / "store"
+    _seed(store, sources["a"]["path"])
+    manifest = json.loads((store / "m" / "manifest.json").read_text())
+    manifest["config"]["scaling_factor"] = 0.5  # what mixing two imports looked like
+    (store / "m" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match=r"^m: manifest.json was edited"):
+        load_model(store, "m")
+    latent = tmp_path / "z.npy"
+    np.save(latent, np.zeros((1, 16, 4, 4), np.float32))
+    done = subprocess.run(
+        [sys.executable, "-m", "app", "decode", str(latent), "--model", "m", "-o",
+         str(tmp_path / "out.png"), "--models-dir", str(store), "-q"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode != 0 and "manifest.json was edited" in done.stderr, done.stderr
+
+
+# A manifest without the integrity hash (as older stores have) whose config says a channel
+# count its weights do not have: refused from the header, nothing built. Prints the seconds
+# and the peak RSS the load added.
+OVERSIZED_LOADER = """
+import resource, sys, time
+from app.store import StoreError, load_model
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.perf_counter()
+try:
+    load_model(sys.argv[1], "m")
+    print("LOADED")
+except StoreError as exc:
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    print(f"{time.perf_counter() - t0:.3f} {grown // 1024}")
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize(
+    "key, value, named",
+    [
+        ("latent_channels", 2048, "the config gives conv_in.weight the shape [64, 2048, 3, 3], "
+         "the weights [64, 16, 3, 3]"),
+        ("block_out_channels", [32, 64, 1_000_000], "weights do not fit the config: missing"),
+    ],
+)  # fmt: skip
+def test_a_config_that_does_not_fit_the_weights_is_refused_before_building(
+    key, value, named, sources, tmp_path
+):
+    store = tmp_path / "store"
+    _seed(store, sources["a"]["path"])
+    path = store / "m" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["integrity"]
+    manifest["config"][key] = value
+    path.write_text(json.dumps(manifest))
+    done = subprocess.run([sys.executable, "-c", OVERSIZED_LOADER, str(store)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    timing, message = done.stdout.strip().splitlines()[-2:]
+    seconds, grown_mb = timing.split()
+    assert message.startswith(f"m: decoder.safetensors: {named}"), message
+    assert "MB of weights, decoder.safetensors holds 2.4 MB" in message
+    assert float(seconds) < 5 and int(grown_mb) < 100, timing  # the real build: GBs, seconds
+
+
+def test_bake_rebuilds_an_entry_that_fails_its_hash(tmp_path):
+    bake = [sys.executable, "-m", "app", "bake", "--synthetic", "--only", "minimax-h3-tiny",
+            "--models-dir", str(tmp_path)]  # fmt: skip
+    assert subprocess.run(bake, cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    weights = tmp_path / "minimax-h3-tiny" / "decoder.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    done = subprocess.run(bake, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "rebaking minimax-h3-tiny" in done.stderr, done.stderr
+    verify_entry(tmp_path, "minimax-h3-tiny")
+
+
+# --- the encoder part -------------------------------------------------------------------------
+
+ENCODER_WRITER = """
+import sys
+from app.decoders import family_module
+from app.store import write_model
+from safetensors.torch import load_file
+config, state = family_module("flux").convert(sys.argv[2])
+write_model(sys.argv[1], "m", "flux", config, state, source=sys.argv[2],
+            encoder_state=load_file(sys.argv[3]), encoder_config={"width": 8})
+"""
+
+
+def _encoder_state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"conv_in.weight": torch.randn(8, 3, 3, 3, generator=g), "conv_in.bias": torch.zeros(8)}
+
+
+def test_an_entry_holds_an_encoder_beside_its_decoder(sources, tmp_path):
+    store = tmp_path / "store"
+    config, state = family_module("flux").convert(sources["a"]["path"])
+    write_model(store, "dec-only", "flux", config, state, source="a")
+    with pytest.raises(StoreError, match=r"^dec-only holds no encoder"):
+        load_encoder(store, "dec-only")
+    encoder = _encoder_state(0)
+    written = write_model(store, "both", "flux", config, state, source="a",
+                          encoder_state=encoder, encoder_config={"width": 8})  # fmt: skip
+    assert set(written.parts) == {"decoder", "encoder"}
+    manifest, tensors = load_encoder(store, "both", verify=True)
+    assert manifest.encoder_config == {"width": 8}
+    assert tensors.keys() == encoder.keys()
+    assert all(torch.equal(tensors[k], encoder[k]) for k in encoder)
+    verify_entry(store, "both")
+
+
+def test_a_write_killed_after_its_encoder_leaves_the_old_entry(sources, tmp_path):
+    store, new_encoder = tmp_path / "store", tmp_path / "encoder.safetensors"
+    config, state = family_module("flux").convert(sources["a"]["path"])
+    write_model(store, "m", "flux", config, state, source=str(sources["a"]["path"]),
+                encoder_state=_encoder_state(0))  # fmt: skip
+    from safetensors.torch import save_file
+
+    save_file(_encoder_state(1), str(new_encoder))
+    args = [sys.executable, "-c", ENCODER_WRITER, str(store), str(sources["b"]["path"]),
+            str(new_encoder)]  # fmt: skip
+    proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, PAUSE_ENV: "encoder"})
+    _wait_stopped(proc)
+    proc.kill()
+    proc.wait(30)
+    assert _served(store, sources) == "a"
+    _, tensors = load_encoder(store, "m", verify=True)
+    assert torch.equal(tensors["conv_in.weight"], _encoder_state(0)["conv_in.weight"])
