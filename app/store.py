@@ -185,8 +185,8 @@ def check_weights_file(what: str, module: nn.Module, path: Path) -> None:
     except StoreError as exc:
         if need <= have:
             raise
-        size = f"the config builds {need / 1e6:.1f} MB of weights, {path.name} holds {have / 1e6:.1f} MB"
-        raise StoreError(f"{exc} ({size})") from None
+        size = f"{need / 1e6:.1f} MB of weights, {path.name} holds {have / 1e6:.1f} MB"
+        raise StoreError(f"{exc} (the config builds {size})") from None
 
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}
@@ -446,11 +446,20 @@ def load_model(store: Path, name: str, verify: bool = False) -> tuple[Manifest, 
         raise StoreError(f"{name}: cannot load {WEIGHTS}: {exc}") from exc
     try:
         state = load_file(str(weights))  # memory-mapped, no pickle
-        decoder = build(manifest.config)
-        decoder.load_state_dict(state, strict=True, assign=True)
+        decoder = _with_weights(meta, state) or _with_weights(build(manifest.config), state)
     except Exception as exc:  # a corrupt entry must name itself, not take the service down
         raise StoreError(f"{name}: cannot load {WEIGHTS}: {exc}") from exc
     return manifest, decoder.eval().requires_grad_(False)
+
+
+def _with_weights(module: nn.Module, state: dict[str, Tensor]) -> Any:
+    """``module`` holding ``state`` (assigned, not copied), or None when tensors the weights do
+    not carry (buffers computed from the config) are left on the meta device: then the caller
+    builds for real. The meta build skips the random init of every parameter."""
+    module.load_state_dict(state, strict=True, assign=True)
+    tensors = [*module.parameters(), *module.buffers()]
+    tensors += [v for m in module.modules() for v in vars(m).values() if isinstance(v, Tensor)]
+    return None if any(t.is_meta for t in tensors) else module
 
 
 def _decoder_class(name: str, manifest: Manifest) -> Callable[[dict[str, Any]], VAEDecoder]:
