@@ -434,6 +434,16 @@ def verify_entry(store: Path, name: str) -> Manifest:
 def load_model(store: Path, name: str, verify: bool = False) -> tuple[Manifest, VAEDecoder]:
     """Memory-map one entry into its decoder (float32 CPU when the store holds float32). The
     config is checked against the weights file's header on the meta device first."""
+    before = entry_dir(store, name)
+    try:
+        return _load_decoder(store, name, verify)
+    except StoreError:
+        if entry_dir(store, name) == before:
+            raise
+        return _load_decoder(store, name, verify)  # an import replaced the entry meanwhile
+
+
+def _load_decoder(store: Path, name: str, verify: bool) -> tuple[Manifest, VAEDecoder]:
     folder, manifest = read_manifest(store, name)
     weights = part_path(name, folder, manifest, "decoder", verify)
     build = _decoder_class(name, manifest)

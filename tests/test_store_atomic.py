@@ -238,7 +238,9 @@ def test_bake_rebuilds_an_entry_that_fails_its_hash(tmp_path):
 
 ENCODER_WRITER = """
 import sys
+import app.encoders
 from app.decoders import family_module
+app.encoders.ENCODERS["flux"] = "tests.store_encoder"
 from app.store import write_model
 from safetensors.torch import load_file
 config, state = family_module("flux").convert(sys.argv[2])
@@ -247,12 +249,20 @@ write_model(sys.argv[1], "m", "flux", config, state, source=sys.argv[2],
 """
 
 
+@pytest.fixture
+def stand_in_encoder(monkeypatch):
+    """The flux family's encoder, for these tests: tests/store_encoder.py."""
+    import app.encoders
+
+    monkeypatch.setitem(app.encoders.ENCODERS, "flux", "tests.store_encoder")
+
+
 def _encoder_state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {"conv_in.weight": torch.randn(8, 3, 3, 3, generator=g), "conv_in.bias": torch.zeros(8)}
 
 
-def test_an_entry_holds_an_encoder_beside_its_decoder(sources, tmp_path):
+def test_an_entry_holds_an_encoder_beside_its_decoder(sources, tmp_path, stand_in_encoder):
     store = tmp_path / "store"
     config, state = family_module("flux").convert(sources["a"]["path"])
     write_model(store, "dec-only", "flux", config, state, source="a")
@@ -269,11 +279,11 @@ def test_an_entry_holds_an_encoder_beside_its_decoder(sources, tmp_path):
     verify_entry(store, "both")
 
 
-def test_a_write_killed_after_its_encoder_leaves_the_old_entry(sources, tmp_path):
+def test_a_write_killed_after_its_encoder_leaves_the_old_entry(sources, tmp_path, stand_in_encoder):
     store, new_encoder = tmp_path / "store", tmp_path / "encoder.safetensors"
     config, state = family_module("flux").convert(sources["a"]["path"])
     write_model(store, "m", "flux", config, state, source=str(sources["a"]["path"]),
-                encoder_state=_encoder_state(0))  # fmt: skip
+                encoder_state=_encoder_state(0), encoder_config={"width": 8})  # fmt: skip
     from safetensors.torch import save_file
 
     save_file(_encoder_state(1), str(new_encoder))
@@ -286,3 +296,23 @@ def test_a_write_killed_after_its_encoder_leaves_the_old_entry(sources, tmp_path
     assert _served(store, sources) == "a"
     _, tensors = load_encoder(store, "m", verify=True)
     assert torch.equal(tensors["conv_in.weight"], _encoder_state(0)["conv_in.weight"])
+
+
+def test_encoder_weights_are_checked_against_the_family_encoder(
+    sources, tmp_path, stand_in_encoder
+):
+    store = tmp_path / "store"
+    config, state = family_module("flux").convert(sources["a"]["path"])
+    with pytest.raises(StoreError, match=r"^m: encoder: the config gives conv_in.weight the shape"):
+        write_model(store, "m", "flux", config, state, source="a",
+                    encoder_state=_encoder_state(0), encoder_config={"width": 16})  # fmt: skip
+    assert not (store / "m").exists()  # refused before anything was written
+    write_model(store, "m", "flux", config, state, source="a",
+                encoder_state=_encoder_state(0), encoder_config={"width": 8})  # fmt: skip
+    path = store / "m" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["integrity"]  # an older manifest, or one written by hand
+    manifest["parts"]["encoder"]["config"]["width"] = 1_000_000
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match=r"^m: encoder.safetensors: the config gives"):
+        load_encoder(store, "m")
