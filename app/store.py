@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -142,13 +144,73 @@ def sha256_file(path: Path) -> str:
 # --- config against weights, before anything is built ------------------------------------
 
 
-def meta_module(build: Callable[[], nn.Module], what: str) -> nn.Module:
-    """Build a module on the meta device: shapes only, no memory, however large the config."""
+def meta_module(build: Callable[[], nn.Module], what: str, tensors: int) -> nn.Module:
+    """Build a module on the meta device: shapes only, no memory, however wide the config. A
+    config that registers far more tensors than the weights hold (``tensors``: a layer count
+    gone wrong) is stopped as it builds, before its modules cost minutes and gigabytes."""
+    _count_registrations()
+    _budget.left, _budget.what = 2 * tensors + 64, f"{what}: the weights hold {tensors} tensors"
     try:
         with torch.device("meta"):
             return build()
+    except StoreError:
+        raise
     except Exception as exc:
         raise StoreError(f"{what}: its config does not build: {exc}") from exc
+    finally:
+        _budget.left = None
+
+
+_budget = threading.local()  # tensors a meta build in this thread may still register
+
+
+@functools.cache
+def _count_registrations() -> None:
+    from torch.nn.modules import module as torch_module
+
+    torch_module.register_module_parameter_registration_hook(_count_one)
+    torch_module.register_module_buffer_registration_hook(_count_one)
+
+
+def _count_one(module: nn.Module, name: str, value: Tensor | None) -> None:
+    left = getattr(_budget, "left", None)
+    if left is None or value is None:
+        return
+    if left <= 0:
+        raise StoreError(f"{_budget.what}, its config builds far more; refused while building")
+    _budget.left = left - 1
+
+
+def read_header(what: str, path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, dtype code) of a safetensors file, from its header alone."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {
+                k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()
+            }
+    except Exception as exc:  # not a safetensors file: name the entry
+        raise StoreError(f"{what}: cannot read its header: {exc}") from exc
+
+
+def checked_meta_build(what: str, build: Callable[[], nn.Module], path: Path) -> nn.Module:
+    """``build()`` on meta, checked against the weights file's header: every name and shape
+    (the first mismatch is named, with the byte totals when the config builds more than the
+    file holds). Nothing is allocated and only the header is read."""
+    header = read_header(what, path)
+    module = meta_module(build, what, len(header))
+    need = sum(
+        v.numel() * _dtype_bytes(header.get(k, ((), None))[1], v.element_size())
+        for k, v in module.state_dict().items()
+    )
+    have = path.stat().st_size
+    try:
+        check_shapes(what, module, {k: shape for k, (shape, _) in header.items()})
+    except StoreError as exc:
+        if need <= have:
+            raise
+        size = f"{need / 1e6:.1f} MB of weights, {path.name} holds {have / 1e6:.1f} MB"
+        raise StoreError(f"{exc} (the config builds {size})") from None
+    return module
 
 
 def check_shapes(what: str, module: nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
@@ -168,32 +230,13 @@ def check_shapes(what: str, module: nn.Module, shapes: dict[str, tuple[int, ...]
             )
 
 
-def check_weights_file(what: str, module: nn.Module, path: Path) -> None:
-    """The safetensors header against a meta-built module: every name and shape (the first
-    mismatch is named, with the byte totals when the config builds more than the file holds).
-    Reads the header only."""
-    with safe_open(str(path), framework="pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
-    need = sum(
-        v.numel() * _dtype_bytes(dtypes.get(k), v.element_size())
-        for k, v in module.state_dict().items()
-    )
-    have = path.stat().st_size
-    try:
-        check_shapes(what, module, shapes)
-    except StoreError as exc:
-        if need <= have:
-            raise
-        size = f"{need / 1e6:.1f} MB of weights, {path.name} holds {have / 1e6:.1f} MB"
-        raise StoreError(f"{exc} (the config builds {size})") from None
-
-
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}
 
 
 def _dtype_bytes(code: str | None, default: int) -> int:
-    return _SAFETENSORS_BYTES.get(code or "", 1 if code else default)
+    """Bytes per element of a header dtype code (``default``: the meta tensor's, for a name
+    the file lacks or a code not listed)."""
+    return _SAFETENSORS_BYTES.get(code or "", default)
 
 
 def _encoder_builder(family: str) -> Callable[[dict[str, Any]], nn.Module] | None:
@@ -244,13 +287,15 @@ def write_model(
     store = Path(store)
     check_name(name)
     parts = {"decoder": state}
-    decoder = meta_module(lambda: family_module(family).Decoder(config), f"{name} ({family})")
+    build_decoder = lambda: family_module(family).Decoder(config)  # noqa: E731
+    decoder = meta_module(build_decoder, f"{name}: decoder", len(state))
     check_shapes(f"{name}: decoder", decoder, _shapes(state))
     if encoder_state is not None:
         parts["encoder"] = encoder_state
         build = _encoder_builder(family)
         if build is not None:  # an encoder family to check against; else stored as given
-            module = meta_module(lambda: build(encoder_config or config), f"{name} encoder")
+            build_encoder = lambda: build(encoder_config or config)  # noqa: E731
+            module = meta_module(build_encoder, f"{name}: encoder", len(encoder_state))
             check_shapes(f"{name}: encoder", module, _shapes(encoder_state))
     dtype = dtype or _dominant_dtype(state)
     store.mkdir(parents=True, exist_ok=True)
@@ -278,6 +323,7 @@ def write_model(
         for folder in (version, entries, store):
             _add_mode(folder, READABLE_DIR)
         _fsync(version)
+        _fsync(entries)  # the version's own folder entry, before the link names it
         _pause("manifest")
         _publish(store, name, version)
         _pause("published")
@@ -447,13 +493,7 @@ def _load_decoder(store: Path, name: str, verify: bool) -> tuple[Manifest, VAEDe
     folder, manifest = read_manifest(store, name)
     weights = part_path(name, folder, manifest, "decoder", verify)
     build = _decoder_class(name, manifest)
-    meta = meta_module(lambda: build(manifest.config), f"{name} ({manifest.family})")
-    try:
-        check_weights_file(f"{name}: {WEIGHTS}", meta, weights)
-    except StoreError:
-        raise
-    except Exception as exc:  # not a safetensors file: name the entry
-        raise StoreError(f"{name}: cannot load {WEIGHTS}: {exc}") from exc
+    meta = checked_meta_build(f"{name}: {WEIGHTS}", lambda: build(manifest.config), weights)
     try:
         state = load_file(str(weights))  # memory-mapped, no pickle
         decoder = _with_weights(meta, state) or _with_weights(build(manifest.config), state)
@@ -494,8 +534,7 @@ def load_encoder(
         build = _encoder_builder(manifest.family)
         if build is not None:
             config = manifest.encoder_config
-            module = meta_module(lambda: build(config), f"{name} encoder")
-            check_weights_file(f"{name}: {path.name}", module, path)
+            checked_meta_build(f"{name}: {path.name}", lambda: build(config), path)
         return manifest, load_file(str(path))
     except StoreError:
         raise
