@@ -280,10 +280,13 @@ def write_model(
     dtype: str | None = None,
     encoder_state: dict[str, Tensor] | None = None,
     encoder_config: dict[str, Any] | None = None,
+    extras: Callable[[Path, Manifest], None] | None = None,
 ) -> Manifest:
     """Write one entry as a whole (decoder, optional encoder, manifest) and publish it with one
     atomic rename, under the name's lock. The weights are checked against the family's modules
-    (built on meta) before anything touches the disk."""
+    (built on meta) before anything touches the disk. ``extras(folder, manifest)`` may add
+    files to the unpublished version (gate references): they are published with it, or not
+    at all when it raises."""
     store = Path(store)
     check_name(name)
     parts = {"decoder": state}
@@ -305,30 +308,49 @@ def write_model(
         entries.mkdir(exist_ok=True)
         _remove_versions(store, name)  # leftovers of a killed writer: never published
         version = Path(tempfile.mkdtemp(prefix=name + VERSION_SEP, dir=entries))
-        described: dict[str, dict[str, Any]] = {}
-        for part, tensors in parts.items():
-            path = version / PART_FILES[part]
-            save_file(_cast(tensors, dtype), str(path))  # no metadata: its order is not stable
-            _fsync(path)
-            described[part] = {"file": path.name, "sha256": sha256_file(path)}
-            _pause(part)
-        if encoder_config is not None:
-            described["encoder"]["config"] = encoder_config
-        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        sha = described["decoder"]["sha256"]
-        manifest = Manifest(name, family, config, dtype, source, sha, created, described)
-        manifest.write(version)
-        for path in version.iterdir():
-            _add_mode(path, READABLE_FILE)
-        for folder in (version, entries, store):
-            _add_mode(folder, READABLE_DIR)
-        _fsync(version)
-        _fsync(entries)  # the version's own folder entry, before the link names it
+        try:
+            described = _write_parts(version, parts, dtype)
+            if encoder_config is not None:
+                described["encoder"]["config"] = encoder_config
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            sha = described["decoder"]["sha256"]
+            manifest = Manifest(name, family, config, dtype, source, sha, created, described)
+            manifest.write(version)
+            if extras is not None:
+                extras(version, manifest)
+            _seal(version, store)
+        except BaseException:
+            _remove(version)
+            raise
         _pause("manifest")
         _publish(store, name, version)
         _pause("published")
         _remove_versions(store, name, keep=version.name)
     return manifest
+
+
+def _write_parts(
+    version: Path, parts: dict[str, dict[str, Tensor]], dtype: str
+) -> dict[str, dict[str, Any]]:
+    """Each part's safetensors in ``version``, fsynced; part -> {"file", "sha256"}."""
+    described = {}
+    for part, tensors in parts.items():
+        path = version / PART_FILES[part]
+        save_file(_cast(tensors, dtype), str(path))  # no metadata: its order is not stable
+        _fsync(path)
+        described[part] = {"file": path.name, "sha256": sha256_file(path)}
+        _pause(part)
+    return described
+
+
+def _seal(version: Path, store: Path) -> None:
+    """Make a written version readable by anyone and durable before anything names it."""
+    for path in version.iterdir():
+        _add_mode(path, READABLE_FILE)
+    for folder in (version, version.parent, store):
+        _add_mode(folder, READABLE_DIR)
+    _fsync(version)
+    _fsync(version.parent)  # the version's own folder entry, before the link names it
 
 
 def _publish(store: Path, name: str, version: Path) -> None:

@@ -334,3 +334,26 @@ def test_encoder_weights_are_checked_against_the_family_encoder(
     path.write_text(json.dumps(manifest))
     with pytest.raises(StoreError, match=r"^m: encoder.safetensors: the config gives"):
         load_encoder(store, "m")
+
+
+def test_extra_files_are_published_with_their_entry_or_not_at_all(sources, tmp_path):
+    """``extras`` (where gate references go) writes into the version before it is published."""
+    store = tmp_path / "store"
+    config, state = family_module("flux").convert(sources["a"]["path"])
+
+    def reference(folder: Path, manifest) -> None:
+        (folder / "gate.json").write_text(json.dumps({"sha256": manifest.sha256}))
+
+    first = write_model(store, "m", "flux", config, state, source="a", extras=reference)
+    assert json.loads((entry_dir(store, "m") / "gate.json").read_text())["sha256"] == first.sha256
+
+    def failing(folder: Path, manifest) -> None:
+        (folder / "gate.json").write_text("half")
+        raise RuntimeError("gate failed")
+
+    _, other = family_module("flux").convert(sources["b"]["path"])
+    with pytest.raises(RuntimeError):
+        write_model(store, "m", "flux", config, other, source="b", extras=failing)
+    assert json.loads((entry_dir(store, "m") / "gate.json").read_text())["sha256"] == first.sha256
+    assert load_model(store, "m", verify=True)[0].source == "a"
+    assert _versions(store) == [entry_dir(store, "m").name]  # the failed one removed itself
