@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 import torch
 from diffusers import AutoencoderKL
 
@@ -33,6 +34,7 @@ from app.store import (
     write_model,
 )
 from tests.conftest import ROOT
+from tests.live import live_server
 from tests.test_store import CFG
 
 STEPS_BEFORE_PUBLISH = ["locked", "decoder", "manifest"]
@@ -121,20 +123,39 @@ def test_a_killed_import_leaves_the_old_entry_or_the_new(step, sources, tmp_path
 def test_a_flat_entry_of_an_older_store_loads_and_is_replaced_atomically(sources, tmp_path):
     store = tmp_path / "store"
     _seed(store, sources["a"]["path"])
-    version = entry_dir(store, "m")
-    (store / "m").unlink()
-    shutil.copytree(version, store / "m")  # DIR/NAME/manifest.json + decoder.safetensors
-    shutil.rmtree(store / ENTRIES)
-    old = json.loads((store / "m" / "manifest.json").read_text())
-    for key in ("parts", "integrity"):
-        del old[key]  # a manifest written before parts and the integrity hash
-    (store / "m" / "manifest.json").write_text(json.dumps(old))
+    _flatten(store)
     assert _served(store, sources) == "a"
     _kill_at(store, sources["b"]["path"], "manifest")
     assert (store / "m").is_dir() and not (store / "m").is_symlink()
     assert _served(store, sources) == "a"
     _kill_at(store, sources["b"]["path"], "published")
     assert (store / "m").is_symlink() and _served(store, sources) == "b"
+
+
+def _flatten(store: Path) -> None:
+    """Turn entry ``m`` into the older flat layout: DIR/m/manifest.json + decoder.safetensors,
+    a manifest without parts and integrity."""
+    version = entry_dir(store, "m")
+    (store / "m").unlink()
+    shutil.copytree(version, store / "m")
+    shutil.rmtree(store / ENTRIES)
+    old = json.loads((store / "m" / "manifest.json").read_text())
+    for key in ("parts", "integrity"):
+        del old[key]
+    (store / "m" / "manifest.json").write_text(json.dumps(old))
+
+
+def test_a_flat_entry_is_replaced_where_paths_cannot_be_exchanged(sources, tmp_path, monkeypatch):
+    """Without renameat2 (not Linux): the flat folder is moved aside, then the link placed."""
+    import app.store
+
+    store = tmp_path / "store"
+    _seed(store, sources["a"]["path"])
+    _flatten(store)
+    monkeypatch.setattr(app.store, "_exchange", lambda a, b: False)
+    _seed(store, sources["b"]["path"])
+    assert (store / "m").is_symlink() and _served(store, sources) == "b"
+    assert _versions(store) == [entry_dir(store, "m").name]
 
 
 @pytest.mark.parametrize("step", ["decoder", "manifest"])
@@ -357,3 +378,29 @@ def test_extra_files_are_published_with_their_entry_or_not_at_all(sources, tmp_p
     assert json.loads((entry_dir(store, "m") / "gate.json").read_text())["sha256"] == first.sha256
     assert load_model(store, "m", verify=True)[0].source == "a"
     assert _versions(store) == [entry_dir(store, "m").name]  # the failed one removed itself
+
+
+def test_the_server_serves_the_old_entry_after_a_killed_import_and_names_edited_ones(
+    sources, tmp_path
+):
+    """At startup on loopback: the entry a killed import was replacing serves as it was; an
+    edited manifest and a config wider than its weights are named in /readyz, not built."""
+    store = tmp_path / "store"
+    for name in ("m", "edited", "wide"):
+        config, state = family_module("flux").convert(sources["a"]["path"])
+        write_model(store, name, "flux", config, state, source=str(sources["a"]["path"]))
+    _kill_at(store, sources["b"]["path"], "manifest")
+    for name, key, value, drop in (("edited", "scaling_factor", 0.5, False),
+                                   ("wide", "latent_channels", 2048, True)):  # fmt: skip
+        path = store / name / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest["config"][key] = value
+        if drop:
+            del manifest["integrity"]  # as a manifest written before the hash
+        path.write_text(json.dumps(manifest))
+    with live_server(store, dtype="float32", device="cpu") as url:
+        ready = requests.get(f"{url}/readyz", timeout=10).json()
+        assert "manifest.json was edited" in ready["errors"]["edited"], ready
+        assert "the config gives conv_in.weight the shape" in ready["errors"]["wide"], ready
+        (served,) = requests.get(f"{url}/models", timeout=10).json()["models"]
+        assert served["name"] == "m" and served["source"] == "a"
