@@ -404,3 +404,22 @@ def test_the_server_serves_the_old_entry_after_a_killed_import_and_names_edited_
         assert "the config gives conv_in.weight the shape" in ready["errors"]["wide"], ready
         (served,) = requests.get(f"{url}/models", timeout=10).json()["models"]
         assert served["name"] == "m" and served["source"] == "a"
+
+
+def test_import_brings_the_encoder_the_family_finds_in_the_checkpoint(
+    sources, tmp_path, stand_in_encoder
+):
+    from safetensors.torch import load_file
+
+    from app.cli import main
+
+    store = tmp_path / "store"
+    argv = ["import", "flux", str(sources["a"]["path"]), "--name", "m", "--models-dir", str(store)]
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0
+    manifest, tensors = load_encoder(store, "m", verify=True)
+    assert set(manifest.parts) == {"decoder", "encoder"} and manifest.encoder_config["width"] == 32
+    checkpoint = load_file(str(sources["a"]["path"] / "diffusion_pytorch_model.safetensors"))
+    assert torch.equal(tensors["conv_in.weight"], checkpoint["encoder.conv_in.weight"])
+    assert _served(store, sources) == "a"
