@@ -259,6 +259,8 @@ def entry_lock(store: Path, name: str) -> Iterator[None]:
     locks = Path(store) / LOCKS
     locks.mkdir(parents=True, exist_ok=True)
     with open(locks / f"{check_name(name)}.lock", "a+") as f:
+        for path, mode in ((locks / f"{name}.lock", READABLE_FILE), (locks, READABLE_DIR)):
+            _add_mode(path, mode)  # the whole store stays readable (scripts/build_image.sh)
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -191,6 +191,10 @@ def test_a_store_baked_by_root_loads_as_an_unprivileged_user():
                               capture_output=True, text=True, timeout=300,
                               preexec_fn=lambda: os.umask(0o077))  # fmt: skip
         assert done.returncode == 0, done.stderr
+        for folder, dirs, files in os.walk(store):  # versions, locks: all readable by anyone
+            for path in [Path(folder) / d for d in dirs] + [Path(folder) / f for f in files]:
+                need = 0o555 if path.is_dir() and not path.is_symlink() else 0o444
+                assert path.is_symlink() or path.stat().st_mode & need == need, path
         done = subprocess.run([sys.executable, "-c", UNPRIVILEGED_LOADER, str(store)], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr
