@@ -189,7 +189,7 @@ def read_header(what: str, path: Path) -> dict[str, tuple[tuple[int, ...], str]]
                 k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()
             }
     except Exception as exc:  # not a safetensors file: name the entry
-        raise StoreError(f"{what}: cannot read its header: {exc}") from exc
+        raise StoreError(f"{what}: cannot load: not a safetensors file ({exc})") from exc
 
 
 def checked_meta_build(what: str, build: Callable[[], nn.Module], path: Path) -> nn.Module:
