@@ -1,6 +1,6 @@
 """The model store: one folder per entry, published whole by one atomic pointer.
 
-Layout (docs in README, "Model store")::
+Layout (README, "Model store health")::
 
     DIR/NAME -> .entries/NAME@<version>      a relative symlink: the entry's one atomic pointer
     DIR/.entries/NAME@<version>/manifest.json, decoder.safetensors[, encoder.safetensors]
@@ -23,7 +23,6 @@ import fcntl
 import functools
 import hashlib
 import json
-import logging
 import os
 import re
 import shutil
@@ -44,8 +43,6 @@ from torch import Tensor, nn
 
 from app.decoders import family_module
 from app.decoders.base import VAEDecoder
-
-log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 WEIGHTS = "decoder.safetensors"
