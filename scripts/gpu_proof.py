@@ -43,9 +43,10 @@ sys.path.insert(0, str(ROOT))
 
 from app.decoders import FAMILIES, family_module  # noqa: E402
 from app.metrics import Metrics  # noqa: E402
+from app.request import DecodeRequest  # noqa: E402
 from app.runtime import device as devices  # noqa: E402
 from app.runtime import gate, modes  # noqa: E402
-from app.runtime.runner import Runner, Scaling, Want  # noqa: E402
+from app.runtime.runner import Runner  # noqa: E402
 from app.timing import PhaseTimer  # noqa: E402
 from bench import common  # noqa: E402
 from bench import flux as flux_bench  # noqa: E402
@@ -356,7 +357,7 @@ class Proof:
         row = {"size": size, "batch": batch}
         t0 = time.perf_counter()
         try:
-            out = runner.decode(served, z, Scaling(), {}, Want.UINT8, timer)
+            out = runner.decode(served, DecodeRequest(z), timer)
             row.update(ok=True, shape=list(out.shape))
         except Exception as exc:
             row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")

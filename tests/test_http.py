@@ -395,7 +395,7 @@ def test_full_queue_answers_429_with_retry_after(flux_store):
     """One worker, a queue of one, a burst of slow decodes: the overflow is shed, not lost."""
     z = np.zeros((1, 16, 56, 56), np.float32).tobytes()
     results: list[requests.Response] = []
-    with live_server(flux_store, dtype="float32", queue_depth=1, max_batch=1) as url:
+    with live_server(flux_store, dtype="float32", queue_depth=1, max_batch=1, batch_rows=1) as url:
 
         def call() -> None:
             results.append(_post(f"{url}/decode/flux-tiny", z, {"shape": [1, 16, 56, 56]}))

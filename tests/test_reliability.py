@@ -19,15 +19,16 @@ import pytest
 import requests
 import torch
 from fastapi.testclient import TestClient
-from starlette.requests import Request
 
 from app.config import Settings
+from app.http.decode import deadline
 from app.metrics import Metrics
-from app.protocol import parse_params
+from app.protocol import parse_head
+from app.request import DecodeRequest
 from app.runtime import Job, Runtime
 from app.runtime.channel import FrameChannel
 from app.runtime.scheduler import DeadlineExceeded, admit
-from app.service import _deadline, create_app
+from app.service import create_app
 from app.store import StoreError, check_name, load_model
 from tests import faulty
 from tests.live import live_server
@@ -51,7 +52,7 @@ def store(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(store):
     """bf16 on the CPU: the fast path is a copy, so the CPU path is a real fallback."""
-    limits = dict(max_batch=4, queue_depth=8, max_body_mb=1, body_timeout_s=1.0)
+    limits = dict(max_batch=4, batch_rows=4, queue_depth=8, max_body_mb=1, body_timeout_s=1.0)
     with live_server(store, device="cpu", dtype="bfloat16", **limits) as url:
         yield url
 
@@ -229,18 +230,14 @@ def test_a_bad_timeout_is_a_422(server, value):
 
 
 def test_the_server_caps_the_deadline():
-    scope = {"type": "http", "headers": [(b"x-request-timeout", b"1e6")], "state": {}}
-    request = Request(scope)
-    request.state.started = 100.0
-    params = parse_params([])
-    assert _deadline(request, params, Settings(max_request_timeout_s=5)) == 105.0
-    scope["headers"] = []
-    assert _deadline(Request(scope), params, Settings(max_request_timeout_s=7)) == 107.0
+    head = parse_head([], [("x-request-timeout", "1e6")])
+    assert deadline(100.0, head, Settings(max_request_timeout_s=5)) == 105.0
+    assert deadline(100.0, parse_head([]), Settings(max_request_timeout_s=7)) == 107.0
 
 
 def test_the_worker_refuses_a_job_whose_deadline_passed():
-    job = Job(None, torch.zeros(1), None, {}, None, deadline=time.perf_counter() - 1)
-    job.channel = FrameChannel(1 << 20, 1.0)
+    request = DecodeRequest(torch.zeros(1), deadline=time.perf_counter() - 1)
+    job = Job(None, request, None, FrameChannel(1 << 20, 1.0))
     assert not admit(job, time.perf_counter())
     assert isinstance(job.future.exception(), DeadlineExceeded)
     assert isinstance(job.channel.first.exception(), DeadlineExceeded)
@@ -546,7 +543,7 @@ def wait_draining(url: str) -> requests.Response:
     return answers[-1]
 
 
-SERVE_FAULTY = {"VAE_MAX_BATCH": "1", "VAE_MODELS": "faulty"}
+SERVE_FAULTY = {"VAE_BATCH_ROWS": "1", "VAE_MODELS": "faulty"}
 
 
 def test_sigterm_drains_queued_work_and_refuses_new(store, tmp_path):
@@ -628,7 +625,7 @@ def test_sigterm_answers_every_accepted_request_when_the_grace_runs_out(
     """10 decodes of 1.5 s each, a 2 s grace: those that cannot finish get 503 + Retry-After
     (none is cut off unanswered), and so do requests sent after the SIGTERM."""
     grace, n = 2.0, 10
-    env = {"VAE_DRAIN_GRACE_S": str(grace), "VAE_MAX_BATCH": "1", "VAE_QUEUE_DEPTH": "16"}
+    env = {"VAE_DRAIN_GRACE_S": str(grace), "VAE_BATCH_ROWS": "1", "VAE_QUEUE_DEPTH": "16"}
     answers: list = []
 
     def call(tag: float) -> None:
