@@ -24,7 +24,6 @@ from tests import faulty
 from tests.live import TINY_FLUX, bake, live_server
 
 
-
 def flux_tiny_work(side: int) -> int:
     """flux-tiny's own working-memory estimate for a [1,16,side,side] latent in float32."""
     from app.decoders import family_module
