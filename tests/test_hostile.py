@@ -333,3 +333,30 @@ def test_a_client_that_sends_its_headers_slowly_is_timed_out(store, tmp_path):
         assert answer.startswith(b"HTTP/1.1 408"), (answer, elapsed)
         assert elapsed < 10, elapsed
         assert requests.get(f"{url}/healthz", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-Infinity", "1e999"])
+@pytest.mark.parametrize("name", ["scaling_factor", "shift_factor"])
+def test_a_non_finite_factor_names_a_real_expected_range(name, value):
+    with pytest.raises(ProtocolError) as refused:
+        parse_params([(name, value)])
+    assert refused.value.status == 422 and "out of range" in refused.value.error
+    assert refused.value.expected == "a finite number"  # not "None..None"
+
+
+@pytest.mark.parametrize(
+    ("query", "words"),
+    [
+        ([("shape", "\u0664"), ("shape", "16")], "not a list of integers"),
+        ([("shape", "1_0,16,4,4")], "not a list of integers"),
+        ([("seed", "\u0661\u0662")], "not an integer"),
+        ([("quality", "9\u0660")], "not an integer"),
+        ([("timestep", "\u0665.0")], "not a number"),
+        ([("dtype", "FLOAT32")], "dtype 'FLOAT32'"),
+        ([("dtype", "Float16")], "dtype 'Float16'"),
+    ],
+)
+def test_unicode_digits_and_other_spellings_are_refused(query, words):
+    with pytest.raises(ProtocolError, match=words) as refused:
+        parse_params(query)
+    assert refused.value.status == 422
