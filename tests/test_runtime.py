@@ -369,3 +369,45 @@ def queue_depth(url: str) -> float:
         if line.startswith("vae_queue_depth"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def _sample(url: str, name: str, **labels: str) -> float:
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_batch_window_fills_a_micro_batch_and_vae_batch_rows_shows_it(store):
+    """VAE_BATCH_WINDOW_MS: the worker waits for more requests to fill a micro-batch (up to
+    VAE_BATCH_ROWS, then at once); /metrics' vae_batch_rows counts the rows it ran."""
+    window_ms = 20_000  # far longer than the test: a full batch must not wait for it
+    with live_server(store, device="cpu", dtype="float32", batch_rows=3,
+                     batch_window_ms=window_ms, models="faulty") as url:  # fmt: skip
+        faulty.BATCHES.clear()
+        codes: list[int] = []
+        calls = [
+            threading.Thread(target=lambda t=t: codes.append(post(url, faulty.latent(tag=t)).status_code))
+            for t in (130.0, 131.0, 132.0)
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        for t in calls:
+            t.start()
+        for t in calls:
+            t.join(60)
+        elapsed = time.monotonic() - t0
+        assert codes == [200, 200, 200]
+        assert faulty.BATCHES == [3] and elapsed < window_ms / 1000 / 2, (faulty.BATCHES, elapsed)
+        assert _sample(url, "vae_batch_rows_count", model="faulty") == 1
+        assert _sample(url, "vae_batch_rows_sum", model="faulty") == 3
+        assert _sample(url, "vae_batch_rows_bucket", model="faulty", le="2.0") == 0
+        assert _sample(url, "vae_batch_rows_bucket", model="faulty", le="3.0") == 1
+
+
+def test_without_a_window_the_worker_runs_what_is_queued(store):
+    """The default (0 ms): a lone request is decoded at once, in a micro-batch of one."""
+    with live_server(store, device="cpu", dtype="float32", models="faulty") as url:
+        faulty.BATCHES.clear()
+        assert post(url, faulty.latent(tag=133)).status_code == 200
+        assert faulty.BATCHES == [1]
+        assert _sample(url, "vae_batch_rows_bucket", model="faulty", le="1.0") == 1
