@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -320,3 +321,39 @@ def read_response(sock: socket.socket) -> tuple[int, dict]:
 def client(tmp_path, **settings) -> TestClient:
     """The app without its lifespan: routes and middleware, no models loaded."""
     return TestClient(create_app(Settings(models_dir=tmp_path, **settings)))
+
+
+def upload_and_read(url: str, head: bytes, size: int, seconds: float = 10.0) -> tuple[bytes, str]:
+    """Send ``head`` then up to ``size`` body bytes on a raw socket, reading whatever comes
+    back *while still sending* (a client mid-upload); stops sending once an answer is in.
+    Returns (everything received until the server closed, the error that ended it or '')."""
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    sock = socket.create_connection((host, port), timeout=seconds)
+    received, sent, error = b"", 0, ""
+    try:
+        sock.sendall(head)
+        sock.setblocking(False)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and b"\r\n\r\n" not in received:
+            if sent < size:
+                try:
+                    sent += sock.send(b"\0" * min(1 << 16, size - sent))
+                except BlockingIOError:
+                    pass
+            try:
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                received += chunk
+            except BlockingIOError:
+                time.sleep(0.002)
+        sock.setblocking(True)
+        sock.settimeout(seconds)
+        sock.shutdown(socket.SHUT_WR)  # done sending: the server may now close
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    except OSError as exc:  # ConnectionResetError above all: the answer may be lost
+        error = type(exc).__name__
+    finally:
+        sock.close()
+    return received, error

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from app.protocol import Limits, ModelGeometry, ProtocolError, parse_params
 from app.request import Output
 from app.store import StoreError, check_name, write_model
 from tests import faulty
+from tests.helpers import upload_and_read
 from tests.live import TINY_FLUX, bake, live_server
 
 
@@ -360,3 +362,70 @@ def test_unicode_digits_and_other_spellings_are_refused(query, words):
     with pytest.raises(ProtocolError, match=words) as refused:
         parse_params(query)
     assert refused.value.status == 422
+
+
+# --- issue 25: HTTP framing (7, 8, 10) and early answers (9), on the real `serve` process -----
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``python -m app serve`` (uvicorn with the service's own h11 protocol), bearer auth on,
+    bodies capped at 1 MiB."""
+    store = tmp_path_factory.mktemp("framing-store")
+    with faulty.registered():
+        faulty.bake(store, "faulty")
+    log = tmp_path_factory.mktemp("framing-log") / "serve.log"
+    env = {"VAE_API_TOKENS": "tok", "VAE_MAX_BODY_MB": "1", "VAE_MODELS": "faulty"}
+    with faulty.serve_process(store, log, True, **env) as (url, _):
+        yield url
+
+
+AUTH = b"Authorization: Bearer tok\r\n"
+DECODE = b"POST /decode/faulty?shape=[1,4,4,4]&output_type=pt HTTP/1.1\r\nHost: x\r\n"
+
+
+def responses(data: bytes) -> list[tuple[int, bytes]]:
+    """(status, head) of every response in ``data``."""
+    heads = re.findall(rb"HTTP/1\.1 (\d{3})[^\r]*\r\n(.*?)\r\n\r\n", data, re.S)
+    return [(int(code), head) for code, head in heads]
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_closes(served):
+    """RFC 9112 6.3: a request framed twice gets a JSON 400 and the connection closes, so the
+    request smuggled after its chunked body never runs (no second response)."""
+    smuggled = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    head = DECODE + AUTH + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    received, error = upload_and_read(served, head + smuggled, 0)
+    assert error == "" and [code for code, _ in responses(received)] == [400], received
+    assert b"application/json" in received and b"framed twice" in received
+    assert b"connection: close" in received.lower()
+
+
+def test_repeated_content_encoding_headers_are_one_list(served):
+    body = bytes(4 * 4 * 4 * 4)
+    for encodings, status in (([b"identity"], 200), ([b"identity", b"gzip"], 415)):
+        fields = b"".join(b"Content-Encoding: %s\r\n" % e for e in encodings)
+        head = DECODE + AUTH + fields + b"Content-Length: %d\r\n\r\n" % len(body)
+        received, _ = upload_and_read(served, head + body + b"GET /x HTTP/1.1\r\n", 0)
+        assert responses(received)[0][0] == status, received[:300]
+
+
+def test_a_malformed_request_is_a_json_400(served):
+    received, _ = upload_and_read(served, b"GET /healthz HTTP/1.1\r\nbroken header\r\n\r\n", 0)
+    ((status, head),) = responses(received)
+    assert status == 400 and b"application/json" in head.lower(), received
+    assert b"malformed HTTP request" in received
+
+
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [
+        (AUTH + b"Content-Length: %d\r\n" % (64 << 20), 413),  # refused from Content-Length
+        (b"Content-Length: %d\r\n" % (64 << 20), 401),  # refused before the body
+    ],
+    ids=["413", "401"],
+)
+def test_an_early_answer_reaches_a_client_still_uploading(served, fields, status):
+    received, error = upload_and_read(served, DECODE + fields + b"\r\n", 64 << 20)
+    assert error == "", (error, received[:200])
+    assert responses(received)[0][0] == status and b"application/json" in received

@@ -18,6 +18,7 @@ from tests.helpers import (
     faulty_server,
     faulty_store,
     post,
+    upload_and_read,
     wait_queued,
 )
 
@@ -171,3 +172,33 @@ def test_sigterm_answers_every_accepted_request_when_the_grace_runs_out(
     assert [r.status_code for r in late] == [503, 503]
     assert all(r.headers["Connection"] == "close" for r in late)
     assert rc in (0, -signal.SIGTERM), text[-2000:]
+
+
+def test_a_client_mid_upload_during_the_drain_reads_its_503(store, tmp_path):
+    """Issue 25.9: the drain's 503 (+ Retry-After, Connection: close) reaches a client still
+    sending its body: the server lingers, reading and dropping the rest, instead of closing
+    on unread data (a TCP reset, which can destroy the answer). Then the process exits
+    within about a second of the drain's end."""
+    codes: list = []
+    env = {**SERVE_FAULTY, "VAE_DRAIN_GRACE_S": "120"}
+    head = (
+        b"POST /decode/faulty?shape=[1,4,4,4]&output_type=pt HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: tensor/binary\r\nContent-Length: %d\r\n\r\n" % (32 << 20)
+    )
+    with faulty.serve_process(store, tmp_path / "serve.log", True, **env) as (url, proc):
+        threads = start_held(url, [141.0], codes)
+        proc.send_signal(signal.SIGTERM)
+        wait_draining(url)
+        answers = [upload_and_read(url, head, 32 << 20) for _ in range(3)]
+        faulty.release(141.0)
+        for t in threads:
+            t.join(30)
+        done = time.monotonic()
+        rc = proc.wait(30)
+        exited = time.monotonic() - done
+    for received, error in answers:
+        assert error == "" and received.startswith(b"HTTP/1.1 503"), (error, received[:200])
+        assert b"retry-after" in received.lower() and b"shutting down" in received
+    assert codes == [200] and rc in (0, -signal.SIGTERM)
+    print(f"exited {exited:.2f} s after the last answer")
+    assert exited < 2.0, exited

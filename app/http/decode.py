@@ -31,6 +31,9 @@ from app.store import NAME_RE
 from app.timing import PhaseTimer
 
 log = logging.getLogger("app.service")
+# refusals that can leave part of the body unread: the connection closes after them (the
+# server's protocol reads and drops the rest for a while first, app/http_timeouts.py)
+BODY_LEFT_UNREAD = frozenset({408, 413})
 
 
 async def handle_decode(
@@ -73,8 +76,8 @@ async def _answer(
         return await _decode(request, name, runtime, settings, timer)
     except ProtocolError as exc:
         headers = {"Retry-After": str(settings.retry_after_s)} if exc.status in (429, 503) else {}
-        if drain.draining:
-            headers["Connection"] = "close"
+        if drain.draining or exc.status in BODY_LEFT_UNREAD:
+            headers["Connection"] = "close"  # the server lingers: the client reads this
         return error_response(exc.status, exc.body(), headers)
     except ClientGone:
         return error_response(CLIENT_GONE, {"error": "the client disconnected"})

@@ -49,6 +49,18 @@ class Envelope:
                 _decorate(MutableHeaders(scope=message), rid, started, scope["path"])
             await send(message)
 
+        if header(scope, b"content-length") and header(scope, b"transfer-encoding"):
+            # framed twice (RFC 9112 6.3): a proxy that frames by Content-Length would read
+            # the rest as another request; refuse it and close, so nothing after it runs
+            return await error_response(
+                400,
+                {
+                    "error": "both Content-Length and Transfer-Encoding: the request is framed "
+                    "twice",
+                    "expected": "one of them (RFC 9112 section 6.3)",
+                },
+                {"Connection": "close"},
+            )(scope, receive, send_with_headers)
         try:
             await self.app(scope, receive, send_with_headers)
         except Exception:
