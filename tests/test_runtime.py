@@ -305,7 +305,7 @@ def test_the_worker_forms_micro_batches_of_the_rows_the_runner_plans(runtime, mo
 def test_batch_rows_caps_a_micro_batch_and_its_histogram_counts_them(runtime):
     metrics = Metrics()
     faulty.BATCHES.clear()
-    out = scheduled(runtime, rows((0, 0, 91), (0, 0, 92), (0, 0, 93)), 2, metrics)
+    out = scheduled(runtime, rows((0, 0, 151), (0, 0, 152), (0, 0, 153)), 2, metrics)
     assert out.shape[0] == 3 and faulty.BATCHES == [2, 1]
     count = metrics.registry.get_sample_value("vae_batch_rows_count", {"model": "faulty"})
     total = metrics.registry.get_sample_value("vae_batch_rows_sum", {"model": "faulty"})

@@ -114,6 +114,7 @@ def test_sigterm_exits_when_the_grace_runs_out(store, tmp_path):
           f"rc {rc}, answers {codes}")  # fmt: skip
     assert rc in (0, -signal.SIGTERM), text[-2000:]
     assert grace <= ran_out, ran_out  # it waited the grace for the held decode
+    assert exited - ran_out < 2.0, (ran_out, exited)  # the exit follows the answers (~1 s)
     assert len(codes) == 4 and codes[0] == 200 and 200 not in codes[1:], codes
 
 
