@@ -2,8 +2,11 @@
 
 The event loop never runs a decode: handlers ``submit`` a ``Job`` and await its future. The
 worker takes jobs in order and micro-batches consecutive ones of the same model, latent shape
-and options into one decode. A job whose caller left, or whose deadline passed before it
-could start, is dropped before any decoding.
+and options (waiting up to ``VAE_BATCH_WINDOW_MS`` for them). This is the one place batching
+is decided: a micro-batch takes at most ``row_cap`` latent rows (``VAE_BATCH_ROWS``, the
+manifest's ``max_batch``, and the runner's plan of what fits the device), a job of more rows
+is decoded in several, and each job gets its own rows' outputs back. A job whose caller left,
+or whose deadline passed before it could start, is dropped before any decoding.
 """
 
 from __future__ import annotations
