@@ -41,6 +41,7 @@ def store(tmp_path_factory):
     store = tmp_path_factory.mktemp("runtime-store")
     faulty.bake(store, "faulty")
     faulty.bake(store, "faulty-video", video=True)
+    faulty.bake(store, "faulty-pairs", max_batch=2)  # a manifest that lowers the batch
     return store
 
 
@@ -115,12 +116,14 @@ def test_phases_never_wait_on_pending_device_work():
 # --- the memory ladder --------------------------------------------------------------------
 
 
-def scheduled(runtime: Runtime, z: torch.Tensor, batch_rows: int = 8, metrics=None):
+def scheduled(
+    runtime: Runtime, z: torch.Tensor, batch_rows: int = 8, metrics=None, model: str = "faulty"
+):
     """``z`` as one request through a scheduler of its own (the worker's micro-batching)."""
     scheduler = Scheduler(runtime.runner, metrics or Metrics(), 4, batch_rows, lambda r: None)
     scheduler.start()
     try:
-        job = Job(runtime.models["faulty"], DecodeRequest(z, Output.TENSOR), PhaseTimer())
+        job = Job(runtime.models[model], DecodeRequest(z, Output.TENSOR), PhaseTimer())
         return scheduler.submit(job).result(timeout=60)
     finally:
         scheduler.stop()
@@ -310,6 +313,14 @@ def test_batch_rows_caps_a_micro_batch_and_its_histogram_counts_them(runtime):
     count = metrics.registry.get_sample_value("vae_batch_rows_count", {"model": "faulty"})
     total = metrics.registry.get_sample_value("vae_batch_rows_sum", {"model": "faulty"})
     assert (count, total) == (2, 3)
+
+
+def test_a_manifests_max_batch_caps_the_micro_batch_too(runtime):
+    """The manifest's max_batch tightens the per-request limit (413) and the worker's row cap
+    alike: a 3-row latent of that model is decoded 2 + 1."""
+    faulty.BATCHES.clear()
+    out = scheduled(runtime, rows((0, 0, 154), (0, 0, 155), (0, 0, 156)), model="faulty-pairs")
+    assert out.shape[0] == 3 and faulty.BATCHES == [2, 1]
 
 
 def test_warm_up_decodes_on_the_decode_worker_thread(store):
