@@ -33,7 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     bake.set_defaults(run=_bake)
 
     imp = sub.add_parser("import", help="convert a checkpoint into the store")
-    imp.add_argument("family", help="flux | ltx | minimax-h3 | taesd")
+    from app.decoders import FAMILIES  # names only: no torch
+
+    imp.add_argument("family", help=" | ".join(FAMILIES))
     imp.add_argument("source", type=Path, help="diffusers folder or single checkpoint file")
     imp.add_argument("--name", required=True)
     imp.add_argument("--models-dir", default=DEFAULT_STORE)

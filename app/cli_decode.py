@@ -100,7 +100,7 @@ def _describe(exc: Exception) -> str:
 def _run(args: argparse.Namespace) -> int:
     latent, out, store = Path(args.latent), Path(args.output), Path(args.models_dir)
     check_latent_file(latent)
-    output = output_for(out)
+    output_for(out)  # a suffix neither path can write: refused before anything else
     if not args.url:
         check_model(store, args.model)  # before torch's import: fail fast
     params = {n: getattr(args, n, None) for n in PARAM_NAMES}
@@ -109,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with Progress(f"decoding {latent.name} with {args.model} ({where})", not args.quiet) as p:
         if args.url:
-            timings = _decode_remote(args, latent, out, output, params)
+            timings = _decode_remote(args, latent, out, params)
         else:
             timings = decode_file(latent, args.model, out, store, params, on_frames=p.update)
     elapsed = time.monotonic() - started
@@ -121,9 +121,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _decode_remote(
-    args: argparse.Namespace, latent: Path, out: Path, output: str, params: dict[str, Any]
+    args: argparse.Namespace, latent: Path, out: Path, params: dict[str, Any]
 ) -> dict[str, float]:
-    """Through a running service: the latent file is the request body, as it is on disk."""
+    """Through a running service: the latent file is the request body, as it is on disk; the
+    client asks for what the output file's suffix names."""
     try:
         from vae_client import Client, DecodeError
     except ImportError:
@@ -135,7 +136,7 @@ def _decode_remote(
     )  # the CLI logs at INFO: no per-request lines
     try:
         with Client(args.url, timeout=args.timeout, deadline=args.timeout, max_retries=3) as c:
-            c.decode_to_file(latent, out, args.model, output, **params)
+            c.decode_to_file(latent, out, args.model, **params)
             return c.last_timings
     except DecodeError as exc:
         raise CommandError(str(exc)) from exc

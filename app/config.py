@@ -25,7 +25,11 @@ class Settings(BaseSettings):
     ready_partial: bool = Field(False, description="/readyz 200 while some models failed")
     # admission and limits
     queue_depth: int = Field(32, ge=1)
-    max_batch: int = Field(8, ge=1)
+    max_batch: int = Field(8, ge=1, description="latent rows per request, else 413")
+    batch_rows: int = Field(8, ge=1, description="latent rows per micro-batch the worker runs")
+    batch_window_ms: float = Field(
+        0.0, ge=0, description="how long the worker waits for more requests to fill a micro-batch"
+    )
     max_pixels: int = 2048 * 2048
     max_frames: int = 257
     max_body_mb: int = 256

@@ -1,20 +1,31 @@
-"""A deadline for a request's headers, which uvicorn does not have.
+"""uvicorn's h11 protocol, hardened: a deadline on a request's headers, JSON for h11's own
+400s, and a closing connection that still lets the client read its answer.
 
-uvicorn's ``timeout_keep_alive`` closes a connection that sends nothing between requests, but
-any byte cancels it and nothing re-arms it until a response is complete: a client that sends
-its headers a byte at a time holds a connection (and a file descriptor) for ever. The
-protocol below gives every request ``seconds`` from the connection's start (or from the end
-of the previous response) to finish its headers, else answers 408 and closes. The body has
-its own deadline in the service (``VAE_BODY_TIMEOUT_S``).
+* Headers: uvicorn's ``timeout_keep_alive`` closes a connection that sends nothing between
+  requests, but any byte cancels it and nothing re-arms it until a response is complete: a
+  client that sends its headers a byte at a time holds a connection (and a file descriptor)
+  for ever. Every request here gets ``seconds`` from the connection's start (or from the end
+  of the previous response) to finish its headers, else 408 and the connection closes. The
+  body has its own deadline in the service (``VAE_BODY_TIMEOUT_S``).
+* A request h11 cannot parse is answered with the JSON every other error is.
+* Closing (a ``Connection: close`` answer: the SIGTERM drain's 503, a 413 refused before its
+  body, the 400 of a request framed twice) half-closes the connection and reads and discards
+  what the client is still sending, up to ``LINGER_BYTES`` or ``LINGER_S``, then closes.
+  Closing a socket with unread data in it sends a TCP reset, which can destroy the answer
+  before a client still uploading reads it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+LINGER_BYTES = 64 << 20  # what a closing connection still reads (and discards) of a body
+LINGER_S = 5.0  # how long it waits for the client to stop sending
 
 _BODY = json.dumps(
     {"error": "the request's headers did not arrive in time", "expected": "send them at once"}
@@ -23,18 +34,91 @@ TIMEOUT_RESPONSE = (
     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_BODY), _BODY)
 )
+MALFORMED_BODY = json.dumps(
+    {"error": "malformed HTTP request", "expected": "an HTTP/1.1 request (RFC 9112)"}
+).encode()
+
+
+class LingeringTransport:
+    """The connection's transport as uvicorn sees it, except that ``close`` lingers: the
+    answer is flushed and the write side shut (FIN), the client's rest is read and dropped,
+    and the socket closes once the client closes its side or the linger runs out."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport, self._loop = transport, loop
+        self.lingering = False
+        self.discarded = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def write(self, data: bytes) -> None:
+        if not self.lingering:
+            self._transport.write(data)
+
+    def close(self) -> None:
+        if self.lingering or self._transport.is_closing():
+            return
+        self.lingering = True
+        try:
+            self._transport.write_eof()
+            self._transport.resume_reading()  # uvicorn may have paused it: drain the rest
+        except (OSError, RuntimeError, NotImplementedError):
+            self._transport.close()
+            return
+        self._timer = self._loop.call_later(LINGER_S, self.shut)
+
+    def discard(self, data: bytes) -> None:
+        """Data that arrived after the answer: dropped, up to the bound."""
+        self.discarded += len(data)
+        if self.discarded > LINGER_BYTES:
+            self.shut()
+
+    def shut(self) -> None:
+        """Close for real."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._transport.close()
 
 
 def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a ``seconds`` deadline on each request's headers; pass it
-    as ``uvicorn.run(..., http=...)``."""
+    """uvicorn's h11 protocol with a ``seconds`` deadline on each request's headers, JSON
+    400s and lingering closes; pass it as ``uvicorn.run(..., http=...)``."""
 
     class HeaderTimeoutProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(LingeringTransport(transport, self.loop))  # type: ignore[arg-type]
             self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            transport = self.transport
+            if isinstance(transport, LingeringTransport) and transport.lingering:
+                transport.discard(data)  # answered and closing: never a next request
+                return
+            super().data_received(data)
+
+        def eof_received(self) -> bool | None:
+            transport = self.transport
+            if isinstance(transport, LingeringTransport) and transport.lingering:
+                transport.shut()
+            return super().eof_received()
+
+        def send_400_response(self, msg: str) -> None:
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            response = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
+            try:
+                for event in (response, h11.Data(data=MALFORMED_BODY), h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            except h11.LocalProtocolError:  # a response had already started: just close
+                pass
+            self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -48,6 +132,9 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            transport = self.transport
+            if isinstance(transport, LingeringTransport) and transport._timer is not None:
+                transport._timer.cancel()
             super().connection_lost(exc)
 
         def _arm(self) -> None:

@@ -1,9 +1,10 @@
 """Decode a latent file in this process from the local model store (``python -m app decode``
 without ``--url``), by default on the exact float32 CPU path the service falls back to.
 
-``decode_file`` is the one entry point: the service's own parsing and layout checks, then
-its runtime's runner (the same de-normalize -> decode -> uint8 steps as an HTTP decode) and
-its encoders. Module level imports no torch, so the command line fails fast on bad arguments.
+``decode_file`` is the one entry point: the service's own protocol (the file is the body, the
+params are the query: the same ``DecodeRequest`` an HTTP decode builds), then its runtime's
+runner and its encoders. Module level imports no torch, so the command line fails fast on bad
+arguments.
 """
 
 from __future__ import annotations
@@ -13,19 +14,20 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
 LATENT_CONTENT_TYPES = {".npy": "application/x-npy", ".safetensors": "application/x-safetensors"}
-OUTPUT_SUFFIXES = {
-    ".png": "png",
-    ".jpg": "jpeg",
-    ".jpeg": "jpeg",
-    ".webp": "webp",
-    ".mp4": "mp4",
-    ".npy": "tensor",  # the decoder's own output, in the latent's dtype
+# output file suffix -> the query params that ask the service for it
+OUTPUT_PARAMS: dict[str, dict[str, str]] = {
+    ".png": {"output_type": "pil", "image_format": "png"},
+    ".jpg": {"output_type": "pil", "image_format": "jpg"},
+    ".jpeg": {"output_type": "pil", "image_format": "jpg"},
+    ".webp": {"output_type": "pil", "image_format": "webp"},
+    ".mp4": {"output_type": "mp4"},
+    ".npy": {"output_type": "pt"},  # the decoder's own output, in the latent's dtype
 }
-IMAGE_FORMATS = {"png": "png", "jpeg": "jpg", "webp": "webp"}  # output -> app.media's name
 
 FrameProgress = Callable[[int, int], None]  # (frames decoded so far, frames in all)
 
@@ -34,14 +36,13 @@ class LocalDecodeError(Exception):
     """A decode refused in one line: the service's own 4xx words, a model not in the store."""
 
 
-def output_for(out: Path) -> str:
-    """The output an output file's suffix asks for (``png``, ``jpeg``, ..., ``tensor``)."""
+def output_for(out: Path) -> dict[str, str]:
+    """The query params an output file's suffix asks for (``output_type``, ``image_format``)."""
     try:
-        return OUTPUT_SUFFIXES[out.suffix.lower()]
+        return OUTPUT_PARAMS[out.suffix.lower()]
     except KeyError:
         raise LocalDecodeError(
-            f"{out}: cannot tell the output format from the suffix "
-            f"(use {', '.join(OUTPUT_SUFFIXES)})"
+            f"{out}: cannot tell the output format from the suffix (use {', '.join(OUTPUT_PARAMS)})"
         ) from None
 
 
@@ -101,7 +102,7 @@ def _decode(
     model: str,
     out: Path,
     models_dir: Path,
-    output: str,
+    output: dict[str, str],
     params: dict[str, Any],
     on_frames: FrameProgress | None,
     timer: Any,
@@ -110,45 +111,46 @@ def _decode(
     import torch
 
     from app import media
-    from app.runtime import Want
+    from app.request import Output
 
     runtime, served = _load(models_dir, model, timer)
     with timer.phase("parse"):
-        z, wire_dtype = _read_latent(latent_path, params, served)
-    scaling, options = _scaling(params), {k: params[k] for k in ("timestep", "seed") if k in params}
-    if output == "mp4":
-        _check_video(served, z)
-        frames = runtime.runner.stream(served, z, scaling, options, timer)
-        fps = params.get("fps") or served.reference.config.get("fps") or 24
-        total = served.reference.frames_out(z.shape[2])
-        return _write_mp4(_counted(frames, total, on_frames), out, fps, timer)
-    want = Want.RAW if output == "tensor" else Want.UINT8
-    out_dtype = torch.uint8 if want is Want.UINT8 else wire_dtype
-    if out_dtype == torch.bfloat16:
-        out_dtype = torch.float32  # .npy has no bfloat16
-    if served.reference.is_video and z.shape[0] == 1:  # chunk by chunk, with progress
-        chunks = runtime.runner.stream(served, z, scaling, options, timer, want, out_dtype)
-        total = served.reference.frames_out(z.shape[2])
-        decoded = torch.cat(
-            list(_counted(chunks, total, on_frames, axis=2 if want is Want.RAW else 0)),
-            dim=2 if want is Want.RAW else 0,
-        )
+        request = _request(latent_path, {**params, **output}, runtime, served)
+    frames = served.reference.frames_out
+    if request.output is Output.MP4:
+        chunks = runtime.runner.stream(served, request, timer)
+        total = frames(request.latent.shape[2])
+        return _write_mp4(_counted(chunks, total, on_frames), out, request.fps, timer)
+    if request.out_dtype == torch.bfloat16:
+        request = replace(request, out_dtype=torch.float32)  # .npy has no bfloat16
+    if served.reference.is_video and request.rows == 1:  # chunk by chunk, with progress
+        axis = 0 if request.output.frames else 2
+        chunks = runtime.runner.stream(served, request, timer)
+        total = frames(request.latent.shape[2])
+        decoded = torch.cat(list(_counted(chunks, total, on_frames, axis)), dim=axis)
     else:
-        decoded = runtime.runner.decode(served, z, scaling, options, want, timer, out_dtype)
+        decoded = runtime.runner.decode(served, request, timer)
     with timer.phase("encode"):
-        if output == "tensor":
-            with _atomic(out) as f:
-                np.save(f, decoded.numpy())
-            return
-        if decoded.shape[0] != 1:
-            raise LocalDecodeError(
-                f"this latent decodes to {decoded.shape[0]} images; {out.suffix} holds one "
-                "(use a batch-1 latent, or .mp4 / .npy)"
-            )
-        quality = int(params.get("quality", 90))
-        data = media.encode_image(decoded[0], IMAGE_FORMATS[output], quality)
         with _atomic(out) as f:
-            f.write(data)
+            if request.output is Output.IMAGE:
+                f.write(media.encode_image(decoded[0], request.image_format, request.quality))
+            else:
+                np.save(f, decoded.numpy())
+
+
+def _request(path: Path, query: dict[str, Any], runtime: Any, served: Any) -> Any:
+    """The file as the body and ``query`` as the params: the service's own ``DecodeRequest``
+    (its parsing, layout and limits), or its 4xx words."""
+    import asyncio
+
+    from app.protocol import parse_head, validate
+
+    head = parse_head(
+        [(k, str(v)) for k, v in query.items()],
+        [("content-type", LATENT_CONTENT_TYPES[path.suffix.lower()])],
+    )
+    limits = served.limits(runtime.settings.limits())
+    return asyncio.run(validate(head, served.geometry, limits, lambda limit: path.read_bytes()))
 
 
 def _load(store: Path, name: str, timer: Any) -> tuple[Any, Any]:
@@ -172,30 +174,6 @@ def _load(store: Path, name: str, timer: Any) -> tuple[Any, Any]:
     if name not in runtime.models:
         raise LocalDecodeError(runtime.errors.get(name) or f"model {name!r} did not load")
     return runtime, runtime.models[name]
-
-
-def _scaling(params: dict[str, Any]) -> Any:
-    from app.runtime import Scaling
-
-    return Scaling(
-        params.get("scaling_factor"), params.get("shift_factor"), bool(params.get("do_scaling"))
-    )
-
-
-def _read_latent(path: Path, params: dict[str, Any], served: Any) -> tuple[Any, Any]:
-    """The file -> a float32 [B,C,H,W] / [B,C,T,H,W] latent, checked as the service checks."""
-    from app.protocol import DecodeParams, parse_body, to_layout
-
-    wire = DecodeParams(height=params.get("height"), width=params.get("width"))
-    tensor = parse_body(LATENT_CONTENT_TYPES[path.suffix.lower()], path.read_bytes(), wire)
-    return to_layout(tensor, wire, served.geometry).float(), tensor.dtype
-
-
-def _check_video(served: Any, z: Any) -> None:
-    if not served.reference.is_video:
-        raise LocalDecodeError("mp4 output needs a video model (this one decodes images)")
-    if z.shape[0] != 1:
-        raise LocalDecodeError(f"an mp4 holds one video; this latent is a batch of {z.shape[0]}")
 
 
 def _counted(

@@ -41,6 +41,7 @@ PHASE_BUCKETS = (
 # whole requests may run VAE_MAX_REQUEST_TIMEOUT_S (300 s) in the queue plus a long video decode
 REQUEST_BUCKETS = (*PHASE_BUCKETS, 180, 300, 600)
 SIZE_BUCKETS = tuple(2**k for k in range(10, 31, 2))
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 def code_class(code: int) -> str:
@@ -132,6 +133,13 @@ class Metrics:
             "vae_retries",
             "Requests retried after a device failure",
             ["model", "reason", "path"],
+            registry=r,
+        )
+        self.batch_rows = Histogram(
+            "vae_batch_rows",
+            "Latent rows per micro-batch the decode worker ran",
+            ["model"],
+            buckets=BATCH_BUCKETS,
             registry=r,
         )
         r.register(DeviceMemory())

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -43,13 +44,41 @@ sys.path.insert(0, str(ROOT))
 
 from app.decoders import FAMILIES, family_module  # noqa: E402
 from app.metrics import Metrics  # noqa: E402
+from app.request import DecodeRequest  # noqa: E402
 from app.runtime import device as devices  # noqa: E402
 from app.runtime import gate, modes  # noqa: E402
-from app.runtime.runner import Runner, Scaling, Want  # noqa: E402
+from app.runtime.runner import Runner  # noqa: E402
 from app.timing import PhaseTimer  # noqa: E402
 from bench import common  # noqa: E402
 from bench import flux as flux_bench  # noqa: E402
-from tests.live import TINY_FLUX, bake  # noqa: E402
+
+# the quick run's image model: the same tiny FLUX as tests/live.py's "flux-tiny" (scripts
+# import nothing from tests/)
+TINY_FLUX = {
+    "flux-tiny": {
+        "latent_channels": 16,
+        "block_out_channels": [16, 32, 32, 32],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+    }
+}
+
+
+def bake(store: Path, family: str, name: str, config: dict, seed: int = 0) -> None:
+    """Write one seeded model into a store, as ``python -m app bake`` would."""
+    from app.store import write_model
+
+    module = family_module(family)
+    decoder = module.Decoder(config)
+    module.init_synthetic(decoder, torch.Generator().manual_seed(seed))
+    write_model(store, name, family, config, decoder.state_dict(), source="test", dtype="float32")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 L4_MEMORY_GB = 22.0  # what an L4's 24 GB leaves a process after the CUDA context
 
@@ -356,7 +385,7 @@ class Proof:
         row = {"size": size, "batch": batch}
         t0 = time.perf_counter()
         try:
-            out = runner.decode(served, z, Scaling(), {}, Want.UINT8, timer)
+            out = runner.decode(served, DecodeRequest(z), timer)
             row.update(ok=True, shape=list(out.shape))
         except Exception as exc:
             row.update(ok=False, error=f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -607,8 +636,6 @@ class _server:
         self.store, self.log, self.env = store, log, env
 
     def __enter__(self) -> str:
-        from tests.live import free_port
-
         port = free_port()
         env = {**os.environ, "VAE_LOG_FORMAT": "text", **self.env}
         cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]

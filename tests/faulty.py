@@ -80,6 +80,7 @@ class Decoder(VAEDecoder):
     family = FAMILY
     output_space = "signed"
     supports_tiling = True  # the runner's OOM retry decodes tiled before anything else
+    working_values_per_pixel = 16  # a 1x1 conv and an upsample: its output and little else
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

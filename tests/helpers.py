@@ -9,16 +9,29 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import socket
 import subprocess
+import threading
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from urllib.parse import urlsplit
 
 import imageio_ffmpeg
 import numpy as np
+import pytest
+import requests
 import torch
 from diffusers.video_processor import VideoProcessor
+from fastapi.testclient import TestClient
 from torch import nn
+
+from app.config import Settings
+from app.service import create_app
+from tests import faulty
+from tests.live import live_server
 
 
 def latent(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -202,3 +215,145 @@ def served_ltx(cls: type[nn.Module], seed: int, **config: Any) -> nn.Module:
     vae.latents_std.uniform_(0.5, 1.5)
     smooth_head(vae.decoder.conv_out.conv, vae.config.patch_size)
     return vae
+
+
+# --- faulty servers: what the reliability tests (decode faults, deadlines, bodies, store
+# names, auth, shutdown) share ---------------------------------------------------------------
+
+SERVE_FAULTY = {"VAE_BATCH_ROWS": "1", "VAE_MODELS": "faulty"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def faulty_family():
+    with faulty.registered():
+        yield
+
+
+@pytest.fixture(scope="module", name="store")
+def faulty_store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("faulty-store")
+    faulty.bake(store, "faulty")
+    faulty.bake(store, "faulty-small", max_pixels=32 * 32)  # a manifest that tightens a limit
+    faulty.bake(store, "faulty-video", video=True)
+    return store
+
+
+@pytest.fixture(scope="module", name="server")
+def faulty_server(store):
+    """bf16 on the CPU: the fast path is a copy, so the CPU path is a real fallback."""
+    limits = dict(max_batch=4, batch_rows=4, queue_depth=8, max_body_mb=1, body_timeout_s=1.0)
+    with live_server(store, device="cpu", dtype="bfloat16", **limits) as url:
+        yield url
+
+
+def post(url: str, z: torch.Tensor, model: str = "faulty", headers=None, **params):
+    return requests.post(
+        f"{url}/decode/{model}",
+        data=z.numpy().tobytes(),
+        params={"shape": json.dumps(list(z.shape)), "output_type": "pt", **params},
+        headers={"Content-Type": "tensor/binary", **(headers or {})},
+        timeout=30,
+    )
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """One sample of the exposition (0 when absent)."""
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if not line.startswith((name + "{", name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def occupy(url: str, tag: float) -> threading.Thread:
+    """Hold the single worker until ``faulty.release(tag)``; returns the caller's thread once
+    the worker has taken the decode (no guess at how long anything takes)."""
+    thread = threading.Thread(target=post, args=(url, faulty.latent(faulty.HOLD, tag=tag)))
+    thread.start()
+    faulty.wait_for(f"the worker took {tag}", lambda: faulty.started(tag))
+    return thread
+
+
+def wait_queued(url: str, n: int) -> None:
+    """Wait until ``n`` decodes wait in the queue (the worker is held)."""
+    faulty.wait_for(f"{n} queued", lambda: metric(url, "vae_queue_depth") == n)
+
+
+def post_mp4(url: str, z: torch.Tensor, **kwargs) -> requests.Response:
+    return requests.post(
+        f"{url}/decode/faulty-video",
+        data=z.numpy().tobytes(),
+        params={"shape": json.dumps(list(z.shape)), "output_type": "mp4"},
+        headers={"Content-Type": "tensor/binary", **kwargs.pop("headers", {})},
+        timeout=30,
+        **kwargs,
+    )
+
+
+def raw_request(url: str, target: str, body: bytes = b"", headers: dict | None = None):
+    """A hand-made HTTP/1.1 request on a fresh socket (the caller reads or closes it)."""
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    sock = socket.create_connection((host, port), timeout=10)
+    fields = {"Host": f"{host}:{port}", "Content-Type": "tensor/binary"}
+    fields |= headers if headers is not None else {"Content-Length": str(len(body))}
+    head = f"POST {target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items())
+    sock.sendall(head.encode() + b"\r\n" + body)
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict]:
+    """Status and JSON body of the response on ``sock`` (read until it closes or completes)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or b"\r\n\r\n"
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    sock.close()
+    return int(head.split()[1]), json.loads(rest[:length])
+
+
+def client(tmp_path, **settings) -> TestClient:
+    """The app without its lifespan: routes and middleware, no models loaded."""
+    return TestClient(create_app(Settings(models_dir=tmp_path, **settings)))
+
+
+def upload_and_read(url: str, head: bytes, size: int, seconds: float = 10.0) -> tuple[bytes, str]:
+    """Send ``head`` then up to ``size`` body bytes on a raw socket, reading whatever comes
+    back *while still sending* (a client mid-upload); stops sending once an answer is in.
+    Returns (everything received until the server closed, the error that ended it or '')."""
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    sock = socket.create_connection((host, port), timeout=seconds)
+    received, sent, error = b"", 0, ""
+    try:
+        sock.sendall(head)
+        sock.setblocking(False)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and b"\r\n\r\n" not in received:
+            if sent < size:
+                try:
+                    sent += sock.send(b"\0" * min(1 << 16, size - sent))
+                except BlockingIOError:
+                    pass
+            try:
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    break
+                received += chunk
+            except BlockingIOError:
+                time.sleep(0.002)
+        sock.setblocking(True)
+        sock.settimeout(seconds)
+        sock.shutdown(socket.SHUT_WR)  # done sending: the server may now close
+        while chunk := sock.recv(1 << 16):
+            received += chunk
+    except OSError as exc:  # ConnectionResetError above all: the answer may be lost
+        error = type(exc).__name__
+    finally:
+        sock.close()
+    return received, error

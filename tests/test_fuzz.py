@@ -19,18 +19,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.protocol import (
-    _KNOWN,
+    DECODE_PARAMS,
     DecodeParams,
     Limits,
     ModelGeometry,
     ProtocolError,
-    check_limits,
-    check_scaling,
-    choose_output,
     parse_body,
     parse_params,
-    to_layout,
 )
+from app.protocol.output import choose_output
+from app.protocol.shapes import check_limits, check_scaling, to_layout
 from tests import faulty
 from tests.live import live_server
 
@@ -86,7 +84,7 @@ values = st.one_of(
     st.text(max_size=40),
     st.from_regex(r"-?[0-9]{1,30}(\.[0-9]{1,10})?(e-?[0-9]{1,4})?", fullmatch=True),
 )
-keys = st.one_of(st.sampled_from(sorted(_KNOWN)), st.text(max_size=12))
+keys = st.one_of(st.sampled_from(sorted(DECODE_PARAMS)), st.text(max_size=12))
 items = st.lists(st.tuples(keys, values), max_size=12)
 
 

@@ -14,7 +14,8 @@ import torch
 from app.config import Settings
 from app.decoders import family_module
 from app.metrics import Metrics
-from app.runtime import Runtime, Scaling, Want, gate, modes
+from app.request import DecodeRequest, Output
+from app.runtime import Runtime, gate, modes
 from app.store import load_model
 from app.timing import PhaseTimer
 from tests.live import live_server
@@ -26,8 +27,8 @@ def _runtime(store, **settings) -> Runtime:
     return runtime
 
 
-def _decode(runtime: Runtime, model, z, want=Want.RAW):
-    return runtime.runner.decode(model, z, Scaling(), {}, want, PhaseTimer())
+def _decode(runtime: Runtime, model, z, output=Output.TENSOR):
+    return runtime.runner.decode(model, DecodeRequest(z, output), PhaseTimer())
 
 
 def test_bf16_fast_path_passes_every_gate_check_and_stays_close(flux_store):
@@ -96,7 +97,8 @@ def test_auto_serves_a_gated_optimized_path(flux_store):
     # the promise for the chosen dtype: float32 is within rounding, bf16 within the gate
     tolerance = 1e-3 if model.mode.dtype == torch.float32 else 0.1
     for tiled in (False, True):  # banded and unbanded are both served, both gated
-        out = runtime.runner.decode(model, z, Scaling(), {"tiled": tiled}, Want.RAW, PhaseTimer())
+        request = DecodeRequest(z, Output.TENSOR, options={"tiled": tiled})
+        out = runtime.runner.decode(model, request, PhaseTimer())
         assert (out - exact).abs().max() < tolerance
         cos = torch.nn.functional.cosine_similarity(
             out.flatten().double(), exact.flatten().double(), 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -18,11 +19,24 @@ import requests
 import torch
 
 from app.protocol import Limits, ModelGeometry, ProtocolError, parse_params
+from app.request import Output
 from app.store import StoreError, check_name, write_model
 from tests import faulty
+from tests.helpers import upload_and_read
 from tests.live import TINY_FLUX, bake, live_server
 
-CAPS = {"max_output_mb": 1, "max_decode_mb": 8}  # tiny caps: tiny requests cross them
+
+def flux_tiny_work(side: int) -> int:
+    """flux-tiny's own working-memory estimate for a [1,16,side,side] latent in float32."""
+    from app.decoders import family_module
+
+    decoder = family_module("flux").Decoder(TINY_FLUX["flux-tiny"])
+    return decoder.working_bytes((1, 16, side, side), 4)
+
+
+# tiny caps, so tiny requests cross them: a 1 MiB response; the decoder memory of a 128x128
+# flux-tiny decode (whatever the family estimates it to be)
+CAPS = {"max_output_mb": 1, "max_decode_mb": -(-flux_tiny_work(16) // (1 << 20))}
 
 
 @pytest.fixture(scope="module")
@@ -81,49 +95,65 @@ def test_a_response_larger_than_the_output_cap_is_refused_with_the_numbers(serve
 
 
 def test_a_decode_that_needs_more_working_memory_than_the_cap_is_refused(server):
-    r = decode(server, [1, 16, 32, 32], image_format="png")  # 256x256 PNG: small output
+    """The 413 follows the decoder's own estimate (the one the runner plans with): the
+    largest square latent within the cap decodes, the next size up is refused."""
+    cap = CAPS["max_decode_mb"] << 20
+    fits = max(s for s in range(1, 73) if flux_tiny_work(s) <= cap)  # 72: the 1 MiB PNG cap
+    assert fits < 72, "the estimate admits every latent the output cap lets through"
+    r = decode(server, [1, 16, fits + 1, fits + 1], image_format="png")
     assert r.status_code == 413, r.text[:300]
-    assert "working memory" in r.json()["error"] and "8.0 MiB" in r.json()["error"]
-    assert decode(server, [1, 16, 16, 16], image_format="png").status_code == 200
+    error = r.json()["error"]
+    assert "working memory" in error and f"{CAPS['max_decode_mb']:.1f} MiB" in error
+    assert f"{flux_tiny_work(fits + 1) / (1 << 20):.1f} MiB" in error
+    assert decode(server, [1, 16, fits, fits], image_format="png").status_code == 200
 
 
-def ltx_geometry() -> ModelGeometry:
-    """LTX-Video 0.9.1's geometry (its config, not its 754 M weights)."""
-    from app.decoders.ltx.model import DEFAULTS
-    from app.protocol import peak_channels
+def meta_geometry(family: str, config: dict) -> ModelGeometry:
+    """A full-size decoder's geometry and memory estimate, built on the meta device (its
+    config, not its weights)."""
+    from app.decoders import family_module
 
-    return ModelGeometry(128, 32, 8, True, lambda t: 1 + (t - 1) * 8, peak_channels(DEFAULTS))
+    with torch.device("meta"):
+        decoder = family_module(family).Decoder(config)
+    return ModelGeometry.of(decoder)
 
 
 def test_the_default_caps_refuse_the_attacks_ltx_request_and_keep_ordinary_ones():
     """[1,128,17,32,32] -> 129 frames of 1024x1024 as float32: 1.62 GB; refused from the
     query, with the server's defaults. A 121-frame 768x512 video still decodes."""
-    from app.protocol import check_declared
+    from app.decoders.ltx.model import DEFAULTS
+    from app.protocol.shapes import check_declared
 
-    geo, limits = ltx_geometry(), Limits()
+    geo, limits = meta_geometry("ltx", DEFAULTS), Limits()
     attack = parse_params([("shape", "[1,128,17,32,32]"), ("output_type", "pt")])
     with pytest.raises(ProtocolError) as refused:
-        check_declared(attack, "tensor/binary", geo, limits, "tensor")
+        check_declared(attack, "tensor/binary", geo, limits, Output.TENSOR)
     assert refused.value.status == 413 and "1548.0 MiB" in refused.value.error
-    for kind in ("tensor", "mp4", "unit_tensor"):
+    for kind in (Output.TENSOR, Output.MP4, Output.UNIT_TENSOR):
         ordinary = parse_params([("shape", "[1,128,16,16,24]")])  # 121 frames of 768x512
         check_declared(ordinary, "tensor/binary", geo, limits, kind)
     largest = parse_params([("shape", "[1,128,33,64,64]")])  # 257 frames of 2048x2048
     with pytest.raises(ProtocolError, match="the response would be 12336.0 MiB"):
-        check_declared(largest, "tensor/binary", geo, limits, "unit_tensor")
-    check_declared(largest, "tensor/binary", geo, limits, "mp4")  # streamed: one chunk held
+        check_declared(largest, "tensor/binary", geo, limits, Output.UNIT_TENSOR)
+    # streamed, the response is not held: only the decoder's own estimate can refuse it
+    work = geo.working_bytes((1, 128, 33, 64, 64))
+    if work <= limits.max_decode_bytes:
+        check_declared(largest, "tensor/binary", geo, limits, Output.MP4)
+    else:
+        with pytest.raises(ProtocolError, match="working memory"):
+            check_declared(largest, "tensor/binary", geo, limits, Output.MP4)
 
 
 def test_the_default_decoder_memory_cap_admits_one_2048_flux_image_not_three():
     from app.decoders.flux.model import FLUX1_CONFIG
-    from app.protocol import check_declared, peak_channels
+    from app.protocol.shapes import check_declared
 
-    geo, limits = ModelGeometry(16, 8, 1, False, lambda t: t, peak_channels(FLUX1_CONFIG)), Limits()
+    geo, limits = meta_geometry("flux", FLUX1_CONFIG), Limits()
     one = parse_params([("shape", "[1,16,256,256]")])
-    check_declared(one, "tensor/binary", geo, limits, "image")  # ~6 GiB, as measured
+    check_declared(one, "tensor/binary", geo, limits, Output.IMAGE)  # ~6 GiB, as measured
     three = parse_params([("shape", "[3,16,256,256]"), ("output_type", "pt")])
     with pytest.raises(ProtocolError, match="working memory"):
-        check_declared(three, "tensor/binary", geo, limits, "uint8")
+        check_declared(three, "tensor/binary", geo, limits, Output.UINT8)
 
 
 # --- 8. what the query already refuses is refused before the body is read -------------------
@@ -305,3 +335,97 @@ def test_a_client_that_sends_its_headers_slowly_is_timed_out(store, tmp_path):
         assert answer.startswith(b"HTTP/1.1 408"), (answer, elapsed)
         assert elapsed < 10, elapsed
         assert requests.get(f"{url}/healthz", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-Infinity", "1e999"])
+@pytest.mark.parametrize("name", ["scaling_factor", "shift_factor"])
+def test_a_non_finite_factor_names_a_real_expected_range(name, value):
+    with pytest.raises(ProtocolError) as refused:
+        parse_params([(name, value)])
+    assert refused.value.status == 422 and "out of range" in refused.value.error
+    assert refused.value.expected == "a finite number"  # not "None..None"
+
+
+@pytest.mark.parametrize(
+    ("query", "words"),
+    [
+        ([("shape", "\u0664"), ("shape", "16")], "not a list of integers"),
+        ([("shape", "1_0,16,4,4")], "not a list of integers"),
+        ([("seed", "\u0661\u0662")], "not an integer"),
+        ([("quality", "9\u0660")], "not an integer"),
+        ([("timestep", "\u0665.0")], "not a number"),
+        ([("dtype", "FLOAT32")], "dtype 'FLOAT32'"),
+        ([("dtype", "Float16")], "dtype 'Float16'"),
+    ],
+)
+def test_unicode_digits_and_other_spellings_are_refused(query, words):
+    with pytest.raises(ProtocolError, match=words) as refused:
+        parse_params(query)
+    assert refused.value.status == 422
+
+
+# --- issue 25: HTTP framing (7, 8, 10) and early answers (9), on the real `serve` process -----
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``python -m app serve`` (uvicorn with the service's own h11 protocol), bearer auth on,
+    bodies capped at 1 MiB."""
+    store = tmp_path_factory.mktemp("framing-store")
+    with faulty.registered():
+        faulty.bake(store, "faulty")
+    log = tmp_path_factory.mktemp("framing-log") / "serve.log"
+    env = {"VAE_API_TOKENS": "tok", "VAE_MAX_BODY_MB": "1", "VAE_MODELS": "faulty"}
+    with faulty.serve_process(store, log, True, **env) as (url, _):
+        yield url
+
+
+AUTH = b"Authorization: Bearer tok\r\n"
+DECODE = b"POST /decode/faulty?shape=[1,4,4,4]&output_type=pt HTTP/1.1\r\nHost: x\r\n"
+
+
+def responses(data: bytes) -> list[tuple[int, bytes]]:
+    """(status, head) of every response in ``data``."""
+    heads = re.findall(rb"HTTP/1\.1 (\d{3})[^\r]*\r\n(.*?)\r\n\r\n", data, re.S)
+    return [(int(code), head) for code, head in heads]
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_closes(served):
+    """RFC 9112 6.3: a request framed twice gets a JSON 400 and the connection closes, so the
+    request smuggled after its chunked body never runs (no second response)."""
+    smuggled = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    head = DECODE + AUTH + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    received, error = upload_and_read(served, head + smuggled, 0)
+    assert error == "" and [code for code, _ in responses(received)] == [400], received
+    assert b"application/json" in received and b"framed twice" in received
+    assert b"connection: close" in received.lower()
+
+
+def test_repeated_content_encoding_headers_are_one_list(served):
+    body = bytes(4 * 4 * 4 * 4)
+    for encodings, status in (([b"identity"], 200), ([b"identity", b"gzip"], 415)):
+        fields = b"".join(b"Content-Encoding: %s\r\n" % e for e in encodings)
+        head = DECODE + AUTH + fields + b"Content-Length: %d\r\n\r\n" % len(body)
+        received, _ = upload_and_read(served, head + body + b"GET /x HTTP/1.1\r\n", 0)
+        assert responses(received)[0][0] == status, received[:300]
+
+
+def test_a_malformed_request_is_a_json_400(served):
+    received, _ = upload_and_read(served, b"GET /healthz HTTP/1.1\r\nbroken header\r\n\r\n", 0)
+    ((status, head),) = responses(received)
+    assert status == 400 and b"application/json" in head.lower(), received
+    assert b"malformed HTTP request" in received
+
+
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [
+        (AUTH + b"Content-Length: %d\r\n" % (64 << 20), 413),  # refused from Content-Length
+        (b"Content-Length: %d\r\n" % (64 << 20), 401),  # refused before the body
+    ],
+    ids=["413", "401"],
+)
+def test_an_early_answer_reaches_a_client_still_uploading(served, fields, status):
+    received, error = upload_and_read(served, DECODE + fields + b"\r\n", 64 << 20)
+    assert error == "", (error, received[:200])
+    assert responses(received)[0][0] == status and b"application/json" in received

@@ -327,7 +327,17 @@ BAD_INPUTS = [
         "limit",
     ),
     ("5-D on image model", "/decode/flux-tiny", F32, {"shape": [1, 16, 1, 4, 4]}, {}, 422, "video"),
-]
+    ("misspelled", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "image_fromat": "png"},
+     {}, 422, "unknown query parameter 'image_fromat'"),
+    ("unknown", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "tile_size": "64"}, {}, 422,
+     "tile_size"),
+    ("arabic digit", "/decode/flux-tiny", F32, {"shape": ["\u0664", 16, 4, 4]}, {}, 422,
+     "not a list of integers"),
+    ("upper dtype", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "dtype": "FLOAT32"}, {},
+     422, "dtype 'FLOAT32'"),
+    ("unicode height", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "height": "\u0663\u0662"},
+     {}, 422, "not an integer"),
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -343,6 +353,42 @@ def test_bad_input_is_refused_with_a_json_4xx(strict_server, case):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert words in error
+
+
+def test_an_unknown_param_is_named_with_every_accepted_one(strict_server):
+    params = {"shape": [1, 16, 4, 4], "image_fromat": "png", "tile_size": "64"}
+    r = _post(f"{strict_server}/decode/flux-tiny", F32, params)
+    assert r.status_code == 422
+    body = r.json()
+    assert "'image_fromat'" in body["error"] and "'tile_size'" in body["error"]
+    for name in ("image_format", "shape", "do_scaling", "timeout", "seed", "model"):
+        assert name in body["expected"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"do_scaling": False, "output_type": "pt", "partial_postprocess": True},
+        {"scaling_factor": 0.3611, "shift_factor": 0.1159, "image_format": "png"},
+        {"do_scaling": True, "height": 64, "width": 64},
+        {"output_type": "mp4"},
+    ],
+)
+def test_every_param_remote_decode_and_remote_encode_send_is_accepted(kwargs):
+    """diffusers' own request builders (what remote_decode / remote_encode send), read back
+    through the service's strict parser: no name of theirs is refused."""
+    from diffusers.utils.remote_utils import prepare_decode, prepare_encode
+
+    from app.protocol import DECODE_PARAMS, ENCODE_PARAMS, parse_params
+
+    sent = prepare_decode(torch.zeros(1, 16, 4, 4), **kwargs)["params"]
+    assert set(sent) <= DECODE_PARAMS
+    items = [(k, str(x)) for k, v in sent.items() for x in (v if isinstance(v, list) else [v])]
+    parse_params(items)
+    encode = prepare_encode(torch.zeros(1, 3, 8, 8), scaling_factor=0.3611, shift_factor=0.1)
+    assert set(encode["params"]) <= ENCODE_PARAMS
+    assert set(encode["params"]) <= DECODE_PARAMS  # shape, dtype and the factors
 
 
 def test_models_readyz_and_metrics(flux_server):
@@ -395,7 +441,7 @@ def test_full_queue_answers_429_with_retry_after(flux_store):
     """One worker, a queue of one, a burst of slow decodes: the overflow is shed, not lost."""
     z = np.zeros((1, 16, 56, 56), np.float32).tobytes()
     results: list[requests.Response] = []
-    with live_server(flux_store, dtype="float32", queue_depth=1, max_batch=1) as url:
+    with live_server(flux_store, dtype="float32", queue_depth=1, max_batch=1, batch_rows=1) as url:
 
         def call() -> None:
             results.append(_post(f"{url}/decode/flux-tiny", z, {"shape": [1, 16, 56, 56]}))

@@ -20,9 +20,11 @@ from torch import nn
 from app import timing
 from app.config import Settings
 from app.metrics import Metrics
-from app.runtime import Runtime, Scaling, Want
+from app.request import DecodeRequest, Output
+from app.runtime import Job, Runtime
 from app.runtime import runner as runner_module
 from app.runtime.runner import OutOfMemory
+from app.runtime.scheduler import Scheduler
 from app.timing import PhaseTimer
 from tests import faulty
 from tests.live import live_server
@@ -39,6 +41,7 @@ def store(tmp_path_factory):
     store = tmp_path_factory.mktemp("runtime-store")
     faulty.bake(store, "faulty")
     faulty.bake(store, "faulty-video", video=True)
+    faulty.bake(store, "faulty-pairs", max_batch=2)  # a manifest that lowers the batch
     return store
 
 
@@ -56,7 +59,7 @@ def rows(*commands: tuple[float, float, float]) -> torch.Tensor:
 
 def decode(runtime: Runtime, z: torch.Tensor, model: str = "faulty") -> torch.Tensor:
     served = runtime.models[model]
-    return runtime.runner.decode(served, z, Scaling(), {}, Want.RAW, PhaseTimer())
+    return runtime.runner.decode(served, DecodeRequest(z, Output.TENSOR), PhaseTimer())
 
 
 def retries(runtime: Runtime, path: str) -> float:
@@ -113,12 +116,25 @@ def test_phases_never_wait_on_pending_device_work():
 # --- the memory ladder --------------------------------------------------------------------
 
 
+def scheduled(
+    runtime: Runtime, z: torch.Tensor, batch_rows: int = 8, metrics=None, model: str = "faulty"
+):
+    """``z`` as one request through a scheduler of its own (the worker's micro-batching)."""
+    scheduler = Scheduler(runtime.runner, metrics or Metrics(), 4, batch_rows, lambda r: None)
+    scheduler.start()
+    try:
+        job = Job(runtime.models[model], DecodeRequest(z, Output.TENSOR), PhaseTimer())
+        return scheduler.submit(job).result(timeout=60)
+    finally:
+        scheduler.stop()
+
+
 def test_a_batch_over_the_budget_is_split_before_decoding(runtime, monkeypatch):
     served = runtime.models["faulty"]
     one = served.fast.working_bytes((1, 4, 4, 4), 2)
     monkeypatch.setattr(runner_module.devices, "memory_budget", lambda d, c: int(2.5 * one))
     faulty.BATCHES.clear()
-    out = decode(runtime, rows((0, 0, 81), (0, 0, 82), (0, 0, 83), (0, 0, 84), (0, 0, 85)))
+    out = scheduled(runtime, rows((0, 0, 81), (0, 0, 82), (0, 0, 83), (0, 0, 84), (0, 0, 85)))
     assert out.shape[0] == 5
     assert faulty.BATCHES == [2, 2, 1]  # pieces that fit, in order, nothing decoded twice
     assert [path for path, _ in faulty.decoded(83)] == ["fast"]
@@ -268,21 +284,42 @@ def test_a_compiled_shape_runs_its_graph_and_other_shapes_run_eagerly(runtime):
     served.compiled[(1, 4, 4, 4)] = graph
     try:
         timer = PhaseTimer()
-        runtime.runner.decode(served, faulty.latent(tag=96), Scaling(), {}, Want.RAW, timer)
+        runtime.runner.decode(served, DecodeRequest(faulty.latent(tag=96), Output.TENSOR), timer)
         assert calls == [(1, 4, 4, 4)] and "decode" in timer.phases()
-        runtime.runner.decode(
-            served, faulty.latent(tag=97, size=8), Scaling(), {}, Want.RAW, PhaseTimer()
-        )
+        bigger = DecodeRequest(faulty.latent(tag=97, size=8), Output.TENSOR)
+        runtime.runner.decode(served, bigger, PhaseTimer())
         assert calls == [(1, 4, 4, 4)]  # another shape: the eager decoder
     finally:
         served.compiled.clear()
 
 
-def test_a_batch_is_split_into_decodes_of_at_most_max_decode_pixels(runtime, monkeypatch):
+def test_the_worker_forms_micro_batches_of_the_rows_the_runner_plans(runtime, monkeypatch):
+    """One request of 3 rows, a plan of 2 rows per decode (max_decode_pixels): the scheduler
+    decodes [2, 1] and hands the request all 3 rows, in order."""
     monkeypatch.setattr(runner_module.devices, "memory_budget", lambda d, c: 1 << 40)
     monkeypatch.setattr(runtime.runner, "max_decode_pixels", 2 * 32 * 32)  # two latents' worth
     faulty.BATCHES.clear()
-    out = decode(runtime, rows((0, 0, 88), (0, 0, 89), (0, 0, 90)))
+    z = rows((0, 0, 88), (0, 0, 89), (0, 0, 90))
+    out = scheduled(runtime, z)
+    assert faulty.BATCHES == [2, 1]
+    torch.testing.assert_close(out, decode(runtime, z), rtol=0, atol=0)
+
+
+def test_batch_rows_caps_a_micro_batch_and_its_histogram_counts_them(runtime):
+    metrics = Metrics()
+    faulty.BATCHES.clear()
+    out = scheduled(runtime, rows((0, 0, 151), (0, 0, 152), (0, 0, 153)), 2, metrics)
+    assert out.shape[0] == 3 and faulty.BATCHES == [2, 1]
+    count = metrics.registry.get_sample_value("vae_batch_rows_count", {"model": "faulty"})
+    total = metrics.registry.get_sample_value("vae_batch_rows_sum", {"model": "faulty"})
+    assert (count, total) == (2, 3)
+
+
+def test_a_manifests_max_batch_caps_the_micro_batch_too(runtime):
+    """The manifest's max_batch tightens the per-request limit (413) and the worker's row cap
+    alike: a 3-row latent of that model is decoded 2 + 1."""
+    faulty.BATCHES.clear()
+    out = scheduled(runtime, rows((0, 0, 154), (0, 0, 155), (0, 0, 156)), model="faulty-pairs")
     assert out.shape[0] == 3 and faulty.BATCHES == [2, 1]
 
 
@@ -310,7 +347,7 @@ def test_warm_up_decodes_on_the_decode_worker_thread(store):
 
 def test_a_micro_batch_of_videos_gives_each_request_all_its_frames(store):
     """Video frames come back flattened into rows ([B*T,...]): each request gets its T."""
-    with live_server(store, device="cpu", dtype="float32", max_batch=4) as url:
+    with live_server(store, device="cpu", dtype="float32", batch_rows=4) as url:
         shape = [1, 4, 3, 4, 4]
         worker = threading.Thread(target=post, args=(url, faulty.latent(faulty.HOLD, 0, 99)))
         worker.start()
@@ -343,3 +380,45 @@ def queue_depth(url: str) -> float:
         if line.startswith("vae_queue_depth"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def _sample(url: str, name: str, **labels: str) -> float:
+    for line in requests.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_batch_window_fills_a_micro_batch_and_vae_batch_rows_shows_it(store):
+    """VAE_BATCH_WINDOW_MS: the worker waits for more requests to fill a micro-batch (up to
+    VAE_BATCH_ROWS, then at once); /metrics' vae_batch_rows counts the rows it ran."""
+    window_ms = 20_000  # far longer than the test: a full batch must not wait for it
+    with live_server(store, device="cpu", dtype="float32", batch_rows=3,
+                     batch_window_ms=window_ms, models="faulty") as url:  # fmt: skip
+        faulty.BATCHES.clear()
+        codes: list[int] = []
+        calls = [
+            threading.Thread(target=lambda t=t: codes.append(post(url, faulty.latent(tag=t)).status_code))
+            for t in (130.0, 131.0, 132.0)
+        ]  # fmt: skip
+        t0 = time.monotonic()
+        for t in calls:
+            t.start()
+        for t in calls:
+            t.join(60)
+        elapsed = time.monotonic() - t0
+        assert codes == [200, 200, 200]
+        assert faulty.BATCHES == [3] and elapsed < window_ms / 1000 / 2, (faulty.BATCHES, elapsed)
+        assert _sample(url, "vae_batch_rows_count", model="faulty") == 1
+        assert _sample(url, "vae_batch_rows_sum", model="faulty") == 3
+        assert _sample(url, "vae_batch_rows_bucket", model="faulty", le="2.0") == 0
+        assert _sample(url, "vae_batch_rows_bucket", model="faulty", le="3.0") == 1
+
+
+def test_without_a_window_the_worker_runs_what_is_queued(store):
+    """The default (0 ms): a lone request is decoded at once, in a micro-batch of one."""
+    with live_server(store, device="cpu", dtype="float32", models="faulty") as url:
+        faulty.BATCHES.clear()
+        assert post(url, faulty.latent(tag=133)).status_code == 200
+        assert faulty.BATCHES == [1]
+        assert _sample(url, "vae_batch_rows_bucket", model="faulty", le="1.0") == 1

@@ -13,15 +13,16 @@ import torch
 
 from app.config import Settings
 from app.metrics import Metrics
+from app.request import DecodeRequest
 from app.runtime import compiled
 from app.runtime.registry import Registry, ServedModel
-from app.runtime.runner import Runner, Scaling, Want
+from app.runtime.runner import Runner
 from app.runtime.scheduler import Job, Scheduler
 from app.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime")
 
-__all__ = ["Job", "Runtime", "Scaling", "ServedModel", "Want"]
+__all__ = ["Job", "Runtime", "ServedModel"]
 
 
 class Runtime:
@@ -36,7 +37,12 @@ class Runtime:
             settings.max_decode_mpixels << 20,
         )
         self.scheduler = Scheduler(
-            self.runner, metrics, settings.queue_depth, settings.max_batch, self._device_lost
+            self.runner,
+            metrics,
+            settings.queue_depth,
+            settings.batch_rows,
+            self._device_lost,
+            settings.batch_window_ms / 1000,
         )
         self.on_device_lost: Callable[[str], None] = lambda reason: None
 
@@ -97,10 +103,8 @@ class Runtime:
                 self.scheduler.call(partial(compiled.compile_shapes, model, fitting, min_cos))
             for shape in fitting:
                 timer = PhaseTimer()
-                latent = torch.zeros(shape)
-                decode = partial(
-                    self.runner.decode, model, latent, Scaling(), {}, Want.UINT8, timer
-                )
+                request = DecodeRequest(torch.zeros(shape))
+                decode = partial(self.runner.decode, model, request, timer)
                 self.scheduler.call(decode)
                 seconds = sum(timer.phases().values())
                 log.info("warmed up %s at %s in %.3f s", model.name, shape, seconds)

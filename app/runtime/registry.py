@@ -20,7 +20,7 @@ from app import timing
 from app.config import Settings
 from app.decoders.base import VAEDecoder
 from app.metrics import Metrics
-from app.protocol import Limits, ModelGeometry, peak_channels
+from app.protocol import Limits, ModelGeometry
 from app.runtime import device as devices
 from app.runtime import gate, modes
 from app.runtime.modes import Mode
@@ -62,15 +62,8 @@ class ServedModel:
 
     @property
     def geometry(self) -> ModelGeometry:
-        d = self.reference
-        return ModelGeometry(
-            d.latent_channels,
-            d.spatial_scale,
-            d.temporal_scale,
-            d.is_video,
-            d.frames_out,
-            peak_channels(d.config),
-        )
+        """What the protocol checks a request against (the served decoder's memory estimate)."""
+        return ModelGeometry.of(self.active)
 
     def describe(self) -> dict[str, Any]:
         serving_dtype = torch.float32 if self.fallback else self.mode.dtype

@@ -4,16 +4,15 @@ de-normalize -> decode (resident weights, the served mode) -> [0, 1] -> uint8 HW
 device -> pinned, non-blocking copy to the host. Encoding (PNG, MP4) happens elsewhere, off
 the decode worker. HTTP and ``python -m app decode`` both come through here.
 
-Memory: before a decode on a GPU, its working memory is estimated from the decoder's geometry
-and checked against what the device has free; a micro-batch that does not fit is split, a
-single latent that does not fit is decoded tiled. The same ladder answers an actual
-out-of-memory error: split the batch, then tile, then (only with ``VAE_OOM_FALLBACK=cpu``) the
-float32 CPU path, else ``OutOfMemory`` (503 with Retry-After).
+Memory: on a GPU, ``rows_that_fit`` plans how many latent rows one decode takes within the free
+memory (the scheduler forms micro-batches of at most that many), and a single latent whose
+estimate does not fit is decoded tiled. An actual out-of-memory error climbs a ladder: split
+the batch, then tile, then (only with ``VAE_OOM_FALLBACK=cpu``) the float32 CPU path, else
+``OutOfMemory`` (503 with Retry-After).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -25,6 +24,7 @@ from torch import Tensor
 from app import timing
 from app.decoders.base import VAEDecoder
 from app.metrics import Metrics
+from app.request import DecodeRequest, Scaling
 from app.runtime import device as devices
 from app.runtime.registry import ServedModel
 from app.timing import PhaseTimer
@@ -33,34 +33,12 @@ log = logging.getLogger("app.runtime.runner")
 PLANNING_SHARE = 0.8  # of the free device memory (measured: docs/BENCHMARKS.md, L4 emulation)
 
 
-class Want(enum.Enum):
-    """What the caller needs of a decode."""
-
-    RAW = "raw"  # the decoder's own output space, in the request's dtype (output_type=pt)
-    UNIT = "unit"  # RGB in [0, 1], frames [N,3,H,W] (remote_decode's processor path)
-    UINT8 = "uint8"  # uint8 frames [N,H,W,3]: images, MP4, partial_postprocess
-
-
 class OutOfMemory(Exception):
     """No way of decoding this latent fits the device's memory now (503, Retry-After)."""
 
 
 class NonFiniteOutput(Exception):
     """The decode produced NaN or infinity: the latent or its factors are out of range."""
-
-
-@dataclass
-class Scaling:
-    """How the latent is de-normalized before decoding (remote_decode's semantics)."""
-
-    scaling_factor: float | None = None
-    shift_factor: float | None = None
-    model_default: bool = False  # do_scaling=true without factors
-
-    def apply(self, decoder: VAEDecoder, z: Tensor) -> Tensor:
-        if self.scaling_factor is not None or self.shift_factor is not None:
-            return z / (self.scaling_factor or 1.0) + (self.shift_factor or 0.0)
-        return decoder.denormalize(z) if self.model_default else z
 
 
 @dataclass
@@ -87,27 +65,43 @@ class Runner:
         self.max_decode_pixels = max_decode_pixels
 
     # --- whole decodes ------------------------------------------------------------------
-    def decode(
+    def decode(self, model: ServedModel, request: DecodeRequest, timer: PhaseTimer) -> Tensor:
+        """Decode the whole of ``request.latent`` (CPU) in one call into what its ``output``
+        asks for; on out-of-memory, the ladder splits, tiles or falls back."""
+        return torch.cat(self.decode_rows(model, request, timer))
+
+    def decode_rows(
+        self, model: ServedModel, request: DecodeRequest, timer: PhaseTimer
+    ) -> list[Tensor]:
+        """``decode``, one host tensor per latent row: the decoder's ``[1,3,...]`` for
+        ``Output.TENSOR``, else that row's frames ``[t,...]`` (a micro-batch is handed back to
+        its requests by rows, whatever a row decodes to)."""
+        first = self._first_attempt(model, request.latent)
+        return self._decode_ladder(model, request.latent, first, request, timer)
+
+    def rows_that_fit(self, model: ServedModel, latent_shape: tuple[int, ...]) -> int:
+        """How many latent rows of ``latent_shape`` one decode should take: their estimated
+        working memory within the device's budget, and at most ``max_decode_pixels`` output
+        pixels (past that, a GPU decode gets slower per pixel: docs/BENCHMARKS.md). The
+        scheduler forms micro-batches of at most this many rows; the CPU has no budget."""
+        decoder = model.active
+        budget = self._budget(decoder)
+        if budget is None:
+            return 1 << 30
+        one = decoder.working_bytes((1, *latent_shape[1:]), _element_size(decoder))
+        pixels = latent_shape[-2] * latent_shape[-1] * decoder.spatial_scale**2
+        return int(max(1, min(budget // max(one, 1), self.max_decode_pixels // pixels)))
+
+    def _decode_ladder(
         self,
         model: ServedModel,
         latent: Tensor,
-        scaling: Scaling,
-        options: dict[str, Any],
-        want: Want,
+        attempt: Attempt,
+        request: DecodeRequest,
         timer: PhaseTimer,
-        out_dtype: torch.dtype = torch.float32,
-    ) -> Tensor:
-        """Decode ``latent`` ([B,C,H,W] or [B,C,T,H,W], CPU) into what ``want`` asks for."""
-        outs = []
-        for piece in self.split_for_budget(model, latent):
-            first = self._first_attempt(model, piece)
-            args = (scaling, options, want, timer, out_dtype)
-            outs.append(self._decode_ladder(model, piece, first, *args))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _decode_ladder(self, model, latent, attempt, scaling, options, want, timer, out_dtype):
+    ) -> list[Tensor]:
         try:
-            return self._run(attempt, latent, scaling, options, want, timer, out_dtype)
+            return self._run(attempt, latent, request, timer)
         except Exception as exc:
             if not devices.is_oom(exc):
                 raise
@@ -118,14 +112,14 @@ class Runner:
             self._note_retry(model, failed, "split")
             half = (latent.shape[0] + 1) // 2
             attempt = replace(attempt, compiled=None)  # a graph is compiled for one shape
-            parts = [
-                self._decode_ladder(model, part, attempt, scaling, options, want, timer, out_dtype)
+            return [
+                row
                 for part in latent.split(half)
+                for row in self._decode_ladder(model, part, attempt, request, timer)
             ]
-            return torch.cat(parts)
         nxt = self._next_attempt(model, attempt)
         self._note_retry(model, failed, nxt.label)
-        return self._decode_ladder(model, latent, nxt, scaling, options, want, timer, out_dtype)
+        return self._decode_ladder(model, latent, nxt, request, timer)
 
     def _first_attempt(self, model: ServedModel, latent: Tensor) -> Attempt:
         """The served decoder, untiled on a GPU when the estimate fits the free memory."""
@@ -156,66 +150,37 @@ class Runner:
             return Attempt(model.reference, None, "cpu")
         raise OutOfMemory("out of device memory decoding this latent, even tiled")
 
-    def split_for_budget(self, model: ServedModel, latent: Tensor) -> list[Tensor]:
-        """A micro-batch cut into pieces whose estimated working memory fits the device, and
-        of at most ``max_decode_pixels`` output pixels each (past that, a GPU decode gets
-        slower per pixel: docs/BENCHMARKS.md)."""
-        decoder = model.active
-        budget = self._budget(decoder)
-        if budget is None or latent.shape[0] == 1:
-            return [latent]
-        one = decoder.working_bytes(tuple(latent[:1].shape), _element_size(decoder))
-        pixels = latent.shape[-2] * latent.shape[-1] * decoder.spatial_scale**2
-        per_piece = min(budget // max(one, 1), self.max_decode_pixels // pixels)
-        return list(latent.split(int(max(1, per_piece))))
-
     def _run(
-        self,
-        attempt: Attempt,
-        latent: Tensor,
-        scaling: Scaling,
-        options: dict[str, Any],
-        want: Want,
-        timer: PhaseTimer,
-        out_dtype: torch.dtype,
-    ) -> Tensor:
-        decoder = attempt.decoder
+        self, attempt: Attempt, latent: Tensor, request: DecodeRequest, timer: PhaseTimer
+    ) -> list[Tensor]:
+        decoder, options = attempt.decoder, request.options
         with torch.inference_mode(), timer.active():
-            z = self._prepare(decoder, latent, scaling, timer)
+            z = self._prepare(decoder, latent, request.scaling, timer)
             if attempt.compiled is not None and not options:
                 with timing.phase("decode"):  # one graph: no stage boundaries to time
                     out = attempt.compiled(z)
             else:
                 out = decoder.decode(z, **options, **_tiled(decoder, attempt.tiled))
             del z
-            host = self._postprocess(decoder, out, want, out_dtype, video=latent.ndim == 5)
+            rows = self._postprocess(decoder, out, request)
         timer.resolve()
-        return host
+        return rows
 
     # --- streaming ----------------------------------------------------------------------
     def stream(
-        self,
-        model: ServedModel,
-        latent: Tensor,
-        scaling: Scaling,
-        options: dict[str, Any],
-        timer: PhaseTimer,
-        want: Want = Want.UINT8,
-        out_dtype: torch.dtype = torch.uint8,
+        self, model: ServedModel, request: DecodeRequest, timer: PhaseTimer
     ) -> Iterator[Tensor]:
-        """The first video in ``latent``, chunk by chunk as it is decoded: uint8 frames
-        ``[t,H,W,3]`` (``Want.UINT8``) or the decoder's own ``[1,3,t,H,W]`` (``Want.RAW``).
-        On out-of-memory the decode resumes on the next rung of the ladder, skipping the
-        frames already sent (decoding is deterministic)."""
-        axis = 0 if want is Want.UINT8 else 2  # where a chunk's frames are
-        attempt, sent = self._first_attempt(model, latent[:1]), 0
+        """The first video in ``request.latent``, chunk by chunk as it is decoded: frames
+        ``[t,...]`` (uint8 ``[t,H,W,3]`` for MP4) or, for ``Output.TENSOR``, the decoder's own
+        ``[1,3,t,H,W]``. On out-of-memory the decode resumes on the next rung of the ladder,
+        skipping the frames already sent (decoding is deterministic)."""
+        axis = 0 if request.output.frames else 2  # where a chunk's frames are
+        latent = request.latent[:1]
+        attempt, sent = self._first_attempt(model, latent), 0
         while True:
             skip = sent
             try:
-                chunks = self._stream_on(
-                    attempt, latent[:1], scaling, options, timer, want, out_dtype
-                )
-                for chunk in chunks:
+                for chunk in self._stream_on(attempt, latent, request, timer):
                     frames = chunk.shape[axis]
                     chunk, skip = (
                         chunk.narrow(axis, min(skip, frames), frames - min(skip, frames)),
@@ -233,18 +198,20 @@ class Runner:
             attempt = self._next_attempt(model, attempt)
             self._note_retry(model, failed, attempt.label)
 
-    def _stream_on(self, attempt, latent, scaling, options, timer, want, out_dtype):
-        decoder = attempt.decoder
+    def _stream_on(
+        self, attempt: Attempt, latent: Tensor, request: DecodeRequest, timer: PhaseTimer
+    ) -> Iterator[Tensor]:
+        decoder, options = attempt.decoder, request.options
         with torch.inference_mode():
             with timer.active():
-                z = self._prepare(decoder, latent, scaling, timer)
+                z = self._prepare(decoder, latent, request.scaling, timer)
                 chunks = decoder.iter_decode(z, **options, **_tiled(decoder, attempt.tiled))
             while True:
                 with timer.active():
                     chunk = next(chunks, None)
                     if chunk is None:
                         return
-                    out = self._postprocess(decoder, chunk, want, out_dtype, True)
+                    (out,) = self._postprocess(decoder, chunk, request)
                 timer.resolve()
                 yield out
 
@@ -259,17 +226,20 @@ class Runner:
             return scaling.apply(decoder, z.float())
 
     @staticmethod
-    def _postprocess(
-        decoder: VAEDecoder, out: Tensor, want: Want, out_dtype: torch.dtype, video: bool
-    ) -> Tensor:
-        """On the device: check, convert to what is wanted; then one copy to the host."""
+    def _postprocess(decoder: VAEDecoder, out: Tensor, request: DecodeRequest) -> list[Tensor]:
+        """On the device: check, convert to what ``request.output`` asks for; then one copy
+        to the host, cut into one tensor per latent row."""
+        output, per_row = request.output, 1
         with timing.phase("postprocess"):
             finite = torch.isfinite(out).all()  # read after the download's sync: no extra wait
-            if want is Want.RAW:
-                x = out.to(out_dtype)
+            if not output.frames:
+                x = out.to(request.out_dtype)
             else:
-                frames = _frames(decoder.to_unit(out.float()), video)
-                x = frames.to(out_dtype) if want is Want.UNIT else to_uint8_hwc(frames)
+                if out.ndim == 5:  # [B,3,T,H,W] -> [B*T,3,H,W], each row's frames in order
+                    per_row = out.shape[2]
+                    out = out.transpose(1, 2).flatten(0, 1)
+                unit = decoder.to_unit(out.float())
+                x = to_uint8_hwc(unit) if output.uint8 else unit.to(request.out_dtype)
         with timing.phase("download"):
             host = _download(x)
         if not bool(finite):
@@ -277,7 +247,7 @@ class Runner:
                 "the decoded output is not finite (NaN or infinity): the latent or its "
                 "scaling_factor/shift_factor are out of the decoder's range"
             )
-        return host
+        return list(host.split(per_row))
 
     def _note_retry(self, model: ServedModel, failed: str, rung: str) -> None:
         log.warning(
@@ -289,13 +259,6 @@ class Runner:
 def to_uint8_hwc(unit: Tensor) -> Tensor:
     """[N,3,H,W] in [0,1] -> uint8 [N,H,W,3], rounded as diffusers' postprocess does."""
     return (unit.float() * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
-
-
-def _frames(unit: Tensor, video: bool) -> Tensor:
-    """[B,3,H,W] stays; video [B,3,T,H,W] -> [B*T,3,H,W] frames in order."""
-    if not video:
-        return unit
-    return unit.permute(0, 2, 1, 3, 4).reshape(-1, unit.shape[1], *unit.shape[3:])
 
 
 def _download(x: Tensor) -> Tensor:

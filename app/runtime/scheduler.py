@@ -2,8 +2,11 @@
 
 The event loop never runs a decode: handlers ``submit`` a ``Job`` and await its future. The
 worker takes jobs in order and micro-batches consecutive ones of the same model, latent shape
-and options into one decode. A job whose caller left, or whose deadline passed before it
-could start, is dropped before any decoding.
+and options (waiting up to ``VAE_BATCH_WINDOW_MS`` for them). This is the one place batching
+is decided: a micro-batch takes at most ``row_cap`` latent rows (``VAE_BATCH_ROWS``, the
+manifest's ``max_batch``, and the runner's plan of what fits the device), a job of more rows
+is decoded in several, and each job gets its own rows' outputs back. A job whose caller left,
+or whose deadline passed before it could start, is dropped before any decoding.
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from app.metrics import Metrics
+from app.protocol import Limits
+from app.request import DecodeRequest
 from app.runtime import device as devices
 from app.runtime.channel import FrameChannel
 from app.runtime.registry import ServedModel
-from app.runtime.runner import Runner, Scaling, Want
+from app.runtime.runner import Runner
 from app.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime.scheduler")
@@ -50,20 +55,26 @@ class DeadlineExceeded(Exception):
         self.waited = waited
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Job:
+    """A request on its way through the queue: built once, never reassigned."""
+
     model: ServedModel
-    latent: Tensor  # [B,C,H,W] or [B,C,T,H,W], float32 CPU
-    scaling: Scaling
-    options: dict[str, Any]
+    request: DecodeRequest
     timer: PhaseTimer
-    want: Want = Want.UINT8
-    out_dtype: torch.dtype = torch.float32
     channel: FrameChannel | None = None  # streamed (MP4): frames go here as they decode
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
-    deadline: float | None = None  # perf_counter time by which the job must have started
     abandoned: threading.Event = field(default_factory=threading.Event)  # the caller left
+
+    @property
+    def rows(self) -> int:
+        return self.request.rows
+
+    @property
+    def deadline(self) -> float | None:
+        """perf_counter time by which the job must have started."""
+        return self.request.deadline
 
     def abandon(self) -> None:
         """The caller went away: drop the job if it is still queued, stop it if it streams."""
@@ -73,14 +84,7 @@ class Job:
             self.channel.drop("the client went away")
 
     def batch_key(self) -> tuple:
-        return (
-            self.model.name,
-            tuple(self.latent.shape[1:]),
-            tuple(vars(self.scaling).items()),
-            tuple(sorted(self.options.items())),
-            self.want,
-            self.out_dtype,
-        )
+        return (self.model.name, *self.request.batch_key())
 
 
 @dataclass
@@ -98,12 +102,14 @@ class Scheduler:
         runner: Runner,
         metrics: Metrics,
         queue_depth: int,
-        max_batch: int,
+        batch_rows: int,
         on_device_lost: Callable[[str], None],
+        batch_window_s: float = 0.0,
     ) -> None:
         self.runner = runner
         self.metrics = metrics
-        self.max_batch = max_batch
+        self.batch_rows = batch_rows  # VAE_BATCH_ROWS: rows per micro-batch, at most
+        self.batch_window_s = batch_window_s  # VAE_BATCH_WINDOW_MS: wait this long to fill one
         self.on_device_lost = on_device_lost
         self.device_lost = ""  # why the device is unusable, once it is
         self._queue: queue.Queue[Job | Call | None] = queue.Queue(maxsize=queue_depth)
@@ -189,13 +195,23 @@ class Scheduler:
             finally:
                 self.metrics.inflight.set(0)
 
+    def row_cap(self, job: Job) -> int:
+        """Rows one micro-batch of ``job``'s kind may take: ``VAE_BATCH_ROWS``, the model's
+        own ``max_batch`` (its manifest), and what the runner plans to fit the device."""
+        cap = Limits(max_batch=self.batch_rows).tightened(job.model.manifest.config).max_batch
+        fits = self.runner.rows_that_fit(job.model, tuple(job.request.latent.shape))
+        return max(1, min(cap, fits))
+
     def _gather(self, first: Job) -> list[Job]:
-        """Consecutive queued jobs that can share one decode with ``first``."""
+        """Consecutive queued jobs that can share one decode with ``first``; with a batch
+        window, waits up to that long for them to arrive."""
         batch, key = [first], first.batch_key()
-        rows = first.latent.shape[0]
-        while rows < self.max_batch and first.channel is None:
+        rows, cap = first.rows, self.row_cap(first)
+        until = time.perf_counter() + self.batch_window_s
+        while rows < cap and first.channel is None:
             try:
-                nxt = self._queue.get_nowait()
+                wait = until - time.perf_counter()
+                nxt = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
             except queue.Empty:
                 break
             if (
@@ -203,12 +219,12 @@ class Scheduler:
                 or isinstance(nxt, Call)
                 or nxt.channel is not None
                 or nxt.batch_key() != key
-                or rows + nxt.latent.shape[0] > self.max_batch
+                or rows + nxt.rows > cap
             ):
                 self._pending = nxt
                 break
             batch.append(nxt)
-            rows += nxt.latent.shape[0]
+            rows += nxt.rows
         now = time.perf_counter()
         return [j for j in batch if admit(j, now)]
 
@@ -221,44 +237,48 @@ class Scheduler:
         if batch[0].channel is not None:
             return self._stream(batch[0])
         try:
-            out = self._decode_jobs(batch)
+            outs = self._decode_jobs(batch)
         except Exception as exc:
             if len(batch) == 1 or self._lost(exc):
                 return self._failed(batch, exc)
             log.warning("a batch of %d failed (%s); decoding its jobs one by one", len(batch), exc)
             for job in batch:  # find the one that fails: the others still get their output
                 try:
-                    job.future.set_result(self._decode_jobs([job]))
+                    job.future.set_result(self._decode_jobs([job])[0])
                 except Exception as one:
                     self._failed([job], one)
             return
-        # a video's frames come flattened into rows: each latent owns out.shape[0] / B of them
-        per_latent = out.shape[0] // sum(j.latent.shape[0] for j in batch)
-        rows = 0
-        for job in batch:
-            n = job.latent.shape[0] * per_latent
-            job.future.set_result(out[rows : rows + n])
-            rows += n
+        for job, out in zip(batch, outs, strict=True):
+            job.future.set_result(out)
 
-    def _decode_jobs(self, batch: list[Job]) -> Tensor:
-        """One decode for the whole batch; every job gets the shared decode's phases."""
+    def _decode_jobs(self, batch: list[Job]) -> list[Tensor]:
+        """The batch's rows in micro-batches of at most ``row_cap`` rows (one job's rows may
+        span several); each job gets its own rows' outputs back, and every job the shared
+        decodes' phases."""
         lead = batch[0]
         timer = PhaseTimer() if len(batch) > 1 else lead.timer
-        latent = torch.cat([j.latent for j in batch]) if len(batch) > 1 else lead.latent
-        out = self.runner.decode(
-            lead.model, latent, lead.scaling, lead.options, lead.want, timer, lead.out_dtype
-        )
+        latents = [j.request.latent for j in batch]
+        latent = latents[0] if len(latents) == 1 else torch.cat(latents)
+        cap = self.row_cap(lead)
+        rows: list[Tensor] = []
+        for piece in latent.split(cap):
+            self.metrics.batch_rows.labels(lead.model.name).observe(piece.shape[0])
+            rows += self.runner.decode_rows(lead.model, replace(lead.request, latent=piece), timer)
         if len(batch) > 1:
             for job in batch:
                 for phase, seconds in timer.phases().items():
                     job.timer.add(phase, seconds)
-        return out
+        outs, at = [], 0
+        for job in batch:
+            outs.append(torch.cat(rows[at : at + job.rows]))
+            at += job.rows
+        return outs
 
     def _stream(self, job: Job) -> None:
         """Decode chunk by chunk into the job's channel; the future resolves at the end."""
         channel = job.channel
         try:
-            frames = self.runner.stream(job.model, job.latent, job.scaling, job.options, job.timer)
+            frames = self.runner.stream(job.model, job.request, job.timer)
             for chunk in frames:
                 if not channel.put(chunk):
                     log.warning("model %s: stream dropped: %s", job.model.name, channel.dropped)

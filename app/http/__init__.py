@@ -1,0 +1,72 @@
+"""The HTTP service: FastAPI over the runtime, one module per role.
+
+request -> envelope (request id, safe headers) -> auth -> route -> decode handler
+(protocol -> queue -> worker) -> response (image / tensor / streamed MP4) -> accounting.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import FastAPI
+
+from app.auth import BearerAuth
+from app.config import Settings
+from app.drain import Drain, route_sigterm
+from app.http.envelope import Envelope
+from app.http.errors import install_error_handlers
+from app.http.routes import install_routes
+from app.metrics import Metrics
+from app.runtime import Runtime
+
+__all__ = ["create_app"]
+
+
+def create_app(settings: Settings | None = None, *, load_in_background: bool = True) -> FastAPI:
+    settings = settings or Settings()
+    metrics = Metrics()
+    runtime = Runtime(settings, metrics)
+    drain = Drain(settings.drain_grace_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        runtime.start()
+        restore = route_sigterm(drain)
+        if threading.current_thread() is threading.main_thread():
+            # a sticky device error: drain (queued requests get 503) and exit, so the
+            # platform replaces this instance
+            runtime.on_device_lost = lambda reason: os.kill(os.getpid(), signal.SIGTERM)
+        if load_in_background:
+            threading.Thread(target=runtime.load_all, name="model-loader", daemon=True).start()
+        else:
+            runtime.load_all()
+        yield
+        restore()
+        # After a drain that ran out, the worker may still be decoding work already answered
+        # 503: do not hold the exit for it.
+        runtime.stop(timeout=0.5 if drain.expired.is_set() else 10.0)
+
+    app = FastAPI(
+        title="VAE render service",
+        version="0.1.0",
+        summary="Latents in, pixels out: resident VAE decoders behind remote_decode's protocol.",
+        lifespan=lifespan,
+    )
+    app.state.runtime, app.state.metrics, app.state.settings = runtime, metrics, settings
+    app.state.drain = drain
+    app.router.redirect_slashes = False  # Starlette's builds Location from Host: see errors.py
+    # the last added is the outermost: the envelope also wraps auth's 401s
+    app.add_middleware(
+        BearerAuth, tokens=settings.tokens(), protect_metrics=settings.protect_metrics
+    )
+    app.add_middleware(Envelope)
+    install_error_handlers(app)
+    install_routes(app, runtime, metrics, settings, drain)
+    return app

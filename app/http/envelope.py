@@ -1,0 +1,88 @@
+"""The outermost middleware: request id, safe headers, a JSON 500 for anything unhandled."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.http.errors import error_response
+
+log = logging.getLogger("app.service")
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: "$" lets a "\n" through
+# Safe by default for an API that browsers should never render or frame (OWASP REST sheet).
+SECURITY_HEADERS = {
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+    "Referrer-Policy": "no-referrer",
+    "X-Frame-Options": "DENY",
+}
+API_CSP = "default-src 'none'; frame-ancestors 'none'"
+DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc"})  # Swagger UI needs scripts
+
+
+class Envelope:
+    """Outermost middleware: request id, a Server-Timing fallback, safe headers on every
+    response, and a JSON 500 (logged with the request id) for anything unhandled."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        incoming = header(scope, b"x-request-id")
+        rid = incoming if REQUEST_ID_RE.fullmatch(incoming) else uuid.uuid4().hex
+        started = time.perf_counter()
+        state = scope.setdefault("state", {})
+        state["request_id"], state["started"] = rid, started
+        sent = False
+
+        async def send_with_headers(message: Message) -> None:
+            nonlocal sent
+            if message["type"] == "http.response.start":
+                sent = True
+                _decorate(MutableHeaders(scope=message), rid, started, scope["path"])
+            await send(message)
+
+        if header(scope, b"content-length") and header(scope, b"transfer-encoding"):
+            # framed twice (RFC 9112 6.3): a proxy that frames by Content-Length would read
+            # the rest as another request; refuse it and close, so nothing after it runs
+            return await error_response(
+                400,
+                {
+                    "error": "both Content-Length and Transfer-Encoding: the request is framed "
+                    "twice",
+                    "expected": "one of them (RFC 9112 section 6.3)",
+                },
+                {"Connection": "close"},
+            )(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception:
+            log.exception("unhandled error in request %s", rid)
+            if sent:
+                raise
+            body = {"error": "internal server error", "request_id": rid}
+            await error_response(500, body)(scope, receive, send_with_headers)
+
+
+def header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value.decode("latin-1")
+    return ""
+
+
+def _decorate(headers: MutableHeaders, rid: str, started: float, path: str) -> None:
+    headers["X-Request-Id"] = rid
+    if "server-timing" not in headers:
+        headers["Server-Timing"] = f"total;dur={(time.perf_counter() - started) * 1000:.2f}"
+    for name, value in SECURITY_HEADERS.items():
+        headers.setdefault(name, value)
+    if path not in DOC_PATHS:
+        headers.setdefault("Content-Security-Policy", API_CSP)

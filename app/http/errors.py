@@ -1,0 +1,94 @@
+"""Every error the HTTP layer answers, as JSON: the framework's own (404, 405, 422 from
+FastAPI), the protocol's refusals, and the one mapping from runtime outcomes to answers."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Scope
+
+from app.protocol import ProtocolError, echo
+from app.runtime.device import is_oom
+from app.runtime.runner import NonFiniteOutput, OutOfMemory
+from app.runtime.scheduler import DeadlineExceeded, DeviceLost, QueueFull, Stopped
+
+CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
+ANOTHER_INSTANCE = "retry: another instance"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+def error_response(
+    status: int, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def runtime_error(exc: BaseException, model: str) -> ProtocolError:
+    """What a client is told when the runtime refuses or fails its decode (at submit or from
+    the worker): one wording per cause."""
+    if isinstance(exc, QueueFull):
+        return ProtocolError(429, "decode queue is full", "retry after Retry-After seconds")
+    if isinstance(exc, DeadlineExceeded):
+        return deadline_error(exc.waited)
+    if isinstance(exc, Stopped):
+        return ProtocolError(503, "the service is shutting down", ANOTHER_INSTANCE)
+    if isinstance(exc, DeviceLost):
+        return ProtocolError(503, f"this instance lost its device: {exc}", ANOTHER_INSTANCE)
+    if isinstance(exc, NonFiniteOutput):
+        return ProtocolError(422, str(exc), "a latent and factors in the decoder's range")
+    if isinstance(exc, OutOfMemory) or is_oom(exc):
+        return ProtocolError(503, f"out of memory: {exc}"[:300], "a smaller latent, or retry")
+    return ProtocolError(  # a server fault, not bad input: 503, and the worker goes on
+        503,
+        f"decoder of model {model!r} failed: {type(exc).__name__}: {str(exc)[:200]}",
+        "retry later; the request id is in X-Request-Id",
+    )
+
+
+def deadline_error(waited: float) -> ProtocolError:
+    return ProtocolError(
+        503,
+        f"deadline exceeded: the decode could not start within the request's timeout "
+        f"(queued {waited:.2f} s)",
+        "a longer X-Request-Timeout, or retry after Retry-After seconds",
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
+        return error_response(exc.status, exc.body())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404 and (location := _without_trailing_slash(app, request.scope)):
+            return Response(status_code=307, headers={"Location": location})
+        return error_response(exc.status_code, {"error": str(exc.detail)}, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        detail = [{**e, "input": echo(e.get("input"))} if "input" in e else e for e in exc.errors()]
+        return error_response(422, {"error": "invalid request", "detail": detail[:8]})
+
+
+def _without_trailing_slash(app: FastAPI, scope: Scope) -> str | None:
+    """``/healthz/`` -> ``/healthz`` when that is a route: a path-only ``Location`` (never
+    built from the Host header, never ``//host`` that a browser would read as a host)."""
+    path = scope["path"]
+    stripped = path.rstrip("/")
+    if path == stripped or not stripped.startswith("/") or stripped.startswith("//"):
+        return None
+    target = {**scope, "path": stripped}
+    if not any(route.matches(target)[0] != Match.NONE for route in app.router.routes):
+        return None
+    query = scope.get("query_string", b"").decode("latin-1")
+    return quote(stripped) + (f"?{query}" if query else "")

@@ -1,0 +1,50 @@
+"""The decode routes' OpenAPI description: the body types and the query params."""
+
+from __future__ import annotations
+
+BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "description": "The latent: raw little-endian tensor bytes (with `shape` and `dtype` "
+        "params), a safetensors file holding one tensor, or a `.npy` file.",
+        "content": {
+            "tensor/binary": {"schema": {"type": "string", "format": "binary"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "application/x-safetensors": {"schema": {"type": "string", "format": "binary"}},
+            "application/x-npy": {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+    "parameters": [
+        {"name": n, "in": "query", "required": False, "schema": s, "description": d}
+        for n, s, d in [
+            (
+                "shape",
+                {"type": "array", "items": {"type": "integer"}},
+                "latent shape for raw bodies; repeated keys or a JSON list",
+            ),
+            ("dtype", {"type": "string", "enum": ["float32", "float16", "bfloat16"]}, "raw dtype"),
+            ("output_type", {"type": "string", "enum": ["pil", "pt", "mp4"]}, "what to return"),
+            ("image_format", {"type": "string", "enum": ["png", "jpg", "webp"]}, "image format"),
+            ("partial_postprocess", {"type": "boolean"}, "pt: uint8 [B,H,W,3] instead"),
+            ("scaling_factor", {"type": "number"}, "latent / scaling_factor"),
+            ("shift_factor", {"type": "number"}, "latent + shift_factor"),
+            ("do_scaling", {"type": "boolean"}, "apply the model's own de-normalization"),
+            ("height", {"type": "integer"}, "pixel height for packed latents"),
+            ("width", {"type": "integer"}, "pixel width for packed latents"),
+            ("fps", {"type": "number"}, "mp4 frame rate"),
+            ("timestep", {"type": "number"}, "decode timestep (timestep-conditioned LTX)"),
+            ("seed", {"type": "integer"}, "noise seed (LTX noise injection)"),
+            ("quality", {"type": "integer"}, "jpg/webp quality 1..100"),
+            ("timeout", {"type": "number"}, "seconds this request may wait to start (capped)"),
+        ]
+    ]
+    + [
+        {
+            "name": "X-Request-Timeout",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "number"},
+            "description": "seconds this request may wait to start; capped by the server",
+        }
+    ],
+}

@@ -1,0 +1,70 @@
+"""The routes: health, readiness, the model list, metrics, and the two decode routes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from app.config import Settings
+from app.drain import Drain
+from app.http.decode import handle_decode
+from app.http.openapi import BODY_DOC
+from app.metrics import Metrics
+from app.runtime import Runtime
+
+
+def install_routes(
+    app: FastAPI, runtime: Runtime, metrics: Metrics, settings: Settings, drain: Drain
+) -> None:
+    @app.get("/healthz", summary="Process alive")
+    @app.head("/healthz", include_in_schema=False)  # load balancers probe with HEAD too
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", summary="200 once every model is resident and gated")
+    @app.head("/readyz", include_in_schema=False)
+    async def readyz() -> JSONResponse:
+        ready = runtime.ready and not drain.draining
+        body = {"ready": ready, "models": sorted(runtime.models), "errors": runtime.errors}
+        if not ready:
+            body["reason"] = _not_ready(runtime, drain)
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/models", summary="Each model: family, config, device, dtype, parity, fallback")
+    async def models() -> dict[str, Any]:
+        return {
+            "models": [m.describe() for m in runtime.models.values()],
+            "errors": runtime.errors,
+            "loading": runtime.loading,
+            "default": settings.default_model,
+        }
+
+    @app.get("/metrics", summary="Prometheus exposition")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    @app.post(
+        "/decode/{model}", summary="Decode one latent (batch allowed)", openapi_extra=BODY_DOC
+    )
+    async def decode_named(model: str, request: Request) -> Response:
+        return await handle_decode(request, model, runtime, metrics, settings, drain)
+
+    @app.post("/decode", summary="Decode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=BODY_DOC)
+    async def decode_default(request: Request) -> Response:
+        return await handle_decode(request, None, runtime, metrics, settings, drain)
+
+
+def _not_ready(runtime: Runtime, drain: Drain) -> str:
+    if drain.draining:
+        return "draining: the service is shutting down"
+    if runtime.loading:
+        return "loading models and running parity gates"
+    if runtime.device_lost:
+        return f"device lost: {runtime.device_lost}"
+    if runtime.worker_died:
+        return "the decode worker has stopped"
+    if runtime.errors:
+        return "; ".join(f"{k}: {v}" for k, v in runtime.errors.items())
+    return "no model"
