@@ -1,0 +1,27 @@
+"""Seeded synthetic TAESD weights: an embedded TAEF1-shaped preview decoder."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from app.decoders.taesd.model import Architecture
+
+SYNTHETIC: dict[str, dict[str, Any]] = {"taef1-synthetic": {"variant": "taef1"}}
+
+
+@torch.no_grad()
+def init_synthetic(decoder: Architecture, generator: torch.Generator) -> None:
+    """Fan-in scaled convs, zero biases, each block's last conv scaled down (x0.1)."""
+    for name, param in decoder.named_parameters():
+        if name.endswith(".bias"):
+            param.zero_()
+        elif name.endswith("weight") and param.ndim == 1:
+            param.fill_(1.0)  # TAEF2's pool GroupNorm
+        else:
+            fan_in = param[0].numel()
+            param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
+    for name, module in decoder.named_modules():
+        if name.endswith(".conv") and isinstance(module, torch.nn.Sequential):
+            module[-1].weight.mul_(0.1)
