@@ -1,4 +1,8 @@
-"""Seeded synthetic TAESD weights: an embedded TAEF1-shaped preview decoder."""
+"""Seeded synthetic TAESD weights (for tests and the GPU proof's gate section).
+
+None is embedded (``SYNTHETIC`` is empty): a preview decoder is only worth serving with its
+trained weights, which ``python -m app import taesd`` brings in.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import torch
 
 from app.decoders.taesd.model import Architecture
 
-SYNTHETIC: dict[str, dict[str, Any]] = {"taef1-synthetic": {"variant": "taef1"}}
+SYNTHETIC: dict[str, dict[str, Any]] = {}
+TINY: dict[str, Any] = {"variant": "taef1"}  # the released topology; init_synthetic fills it
 
 
 @torch.no_grad()
