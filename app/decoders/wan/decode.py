@@ -20,13 +20,12 @@ from torch import Tensor, nn
 
 from app.decoders import ops
 from app.decoders.base import VAEDecoder, decode_chunks
-from app.decoders.tiling import Grid, sample_grid
+from app.decoders.tiling import DEFAULT_TILE_SAMPLE_SIZE, Grid, sample_grid
 from app.decoders.wan import fast
 from app.decoders.wan.model import Architecture, FrameCache, unpatchify
 from app.timing import phase
 
 DEFAULT_CHUNK_FRAMES = 2  # latent frames per streamed chunk
-TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / width (pixels)
 # Working memory of one chunk per pixel of one output frame, in values of the compute dtype
 # per channel of the full-resolution stage (measured on the meta device with
 # tests/test_memory_estimate.py): a chunk's full-resolution frames through a resnet (input,
@@ -76,7 +75,7 @@ class Decoder(Architecture, VAEDecoder):
         working set at the largest of a tile and the frame."""
         b, h, w = latent_shape[0], latent_shape[-2], latent_shape[-1]
         if tiled:
-            cells = TILE_SAMPLE_SIZE // self._compression()
+            cells = DEFAULT_TILE_SAMPLE_SIZE // self._compression()
             h, w = min(h, cells), min(w, cells)
         pixels = h * w * self.spatial_scale**2
         width = self.config["decoder_base_dim"] * self.config["dim_mult"][0]
@@ -86,7 +85,7 @@ class Decoder(Architecture, VAEDecoder):
     def probe_latent(self, generator: torch.Generator, tiled: bool = False) -> Tensor:
         if not tiled:
             return super().probe_latent(generator)
-        cells = TILE_SAMPLE_SIZE // self._compression() + 2  # two tiles per side
+        cells = DEFAULT_TILE_SAMPLE_SIZE // self._compression() + 2  # two tiles per side
         return torch.randn((1, self.latent_channels, 2, cells, cells), generator=generator)
 
     def optimize(self) -> None:
