@@ -88,7 +88,7 @@ class Decoder(Architecture, VAEDecoder):
         last block (of one tile when ``tiled``, plus the chunk's blend buffers)."""
         b, h, w = latent_shape[0], latent_shape[-2], latent_shape[-1]
         frames = latent_shape[2] if len(latent_shape) == 5 else 1
-        chunk_frames = self.frames_out(min(frames, DEFAULT_CHUNK_FRAMES))
+        chunk_frames = min(frames, DEFAULT_CHUNK_FRAMES) * self.temporal_scale
         out = self.output_values(latent_shape)
         blend = 0
         if tiled:

@@ -32,7 +32,7 @@ DEFAULT_BATCH_TOKENS = 16384  # tokens per block-stack call when tiles are batch
 # Working memory of one block-stack call per token, in values of the compute dtype per model
 # dimension (measured on the meta device with tests/test_memory_estimate.py): the float32
 # residual stream and its copy, q/k/v and the attention output, the SwiGLU projection.
-CALL_VALUES_PER_TOKEN_PER_DIM = 18
+CALL_VALUES_PER_TOKEN_PER_DIM = 28
 
 
 def is_image_config(config: dict[str, Any]) -> bool:

@@ -29,8 +29,9 @@ DEFAULT_CHUNK_FRAMES = 2  # latent frames per streamed chunk
 # Working memory of one chunk per pixel of one output frame, in values of the compute dtype
 # per channel of the full-resolution stage (measured on the meta device with
 # tests/test_memory_estimate.py): a chunk's full-resolution frames through a resnet (input,
-# RMSNorm in float32, SiLU, the causal pad, the conv output) plus every conv's 2-frame cache.
-CHUNK_VALUES_PER_PIXEL_PER_CHANNEL = 84
+# RMSNorm in float32, SiLU, the causal pad, the conv output). The conv caches are counted
+# apart (``cache_values_per_cell``).
+CHUNK_VALUES_PER_PIXEL_PER_CHANNEL = 58
 
 
 class Decoder(Architecture, VAEDecoder):
@@ -71,16 +72,40 @@ class Decoder(Architecture, VAEDecoder):
     def working_bytes(
         self, latent_shape: tuple[int, ...], element_size: int, tiled: bool = False
     ) -> int:
-        """The decoded chunks and their concatenation (``decode_chunks``), plus one chunk's
-        working set at the largest of a tile and the frame."""
+        """The decoded chunks and their concatenation (``decode_chunks``), every tile's
+        ``FrameCache`` (all tiles stream side by side), and one chunk's working set through
+        the full-resolution stage (of one tile when ``tiled``)."""
         b, h, w = latent_shape[0], latent_shape[-2], latent_shape[-1]
+        cells = h * w  # of every tile's cache together
         if tiled:
-            cells = DEFAULT_TILE_SAMPLE_SIZE // self._compression()
-            h, w = min(h, cells), min(w, cells)
-        pixels = h * w * self.spatial_scale**2
+            grid = self._grid(torch.empty(latent_shape, device="meta"), {})
+            if grid is not None:
+                cells = sum(len(range(h)[ys]) * len(range(w)[xs]) for ys, xs in grid.tiles)
+                tile = DEFAULT_TILE_SAMPLE_SIZE // self._compression()
+                h, w = min(h, tile), min(w, tile)
         width = self.config["decoder_base_dim"] * self.config["dim_mult"][0]
-        chunk = b * pixels * width * CHUNK_VALUES_PER_PIXEL_PER_CHANNEL
-        return int((2 * self.output_values(latent_shape) + chunk) * element_size)
+        chunk = h * w * self.spatial_scale**2 * width * CHUNK_VALUES_PER_PIXEL_PER_CHANNEL
+        caches = cells * self.cache_values_per_cell()
+        return int((2 * self.output_values(latent_shape) + b * (chunk + caches)) * element_size)
+
+    def cache_values_per_cell(self) -> int:
+        """Values of every temporal conv's carried frames (``FrameCache``) per latent cell."""
+        total, area = 0, 1
+
+        def carried(conv: nn.Conv3d | None) -> int:
+            return 0 if conv is None else (conv.kernel_size[0] - 1) * conv.in_channels * area
+
+        total += carried(self.conv_in)
+        for block in [self.mid_block, *self.up_blocks]:
+            for resnet in block.resnets:
+                total += carried(resnet.conv1) + carried(resnet.conv2)
+            upsampler = getattr(block, "upsampler", None)
+            if upsampler is None and getattr(block, "upsamplers", None) is not None:
+                upsampler = block.upsamplers[0]
+            if upsampler is not None:
+                total += carried(upsampler.time_conv)
+                area *= 4
+        return total + carried(self.conv_out)
 
     def probe_latent(self, generator: torch.Generator, tiled: bool = False) -> Tensor:
         if not tiled:
