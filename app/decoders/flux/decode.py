@@ -6,6 +6,7 @@ Geometry, the latent de-normalization (FLUX.2's BatchNorm statistics), the row-b
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -78,8 +79,14 @@ class Decoder(Architecture, VAEDecoder):
         return self(z)
 
     def probe_latent(self, generator: torch.Generator, tiled: bool = False) -> Tensor:
-        # bands are rows of fast.ROW_BAND_BYTES; 256 px already spans several of them
-        return super().probe_latent(generator)
+        """Tiled: large enough that the full-resolution layers take two or more row bands
+        of ``fast.ROW_BAND_BYTES`` (float32 temporaries of a band)."""
+        if not tiled:
+            return super().probe_latent(generator)
+        width = list(self.config["block_out_channels"])[0]
+        side = math.isqrt(fast.ROW_BAND_BYTES // (4 * width))  # pixels of one band's square
+        cells = max(side // self.spatial_scale + 2, 256 // self.spatial_scale)
+        return torch.randn((1, self.latent_channels, cells, cells), generator=generator)
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         conv_in = [m for m in (self.post_quant_conv, self.conv_in) if m is not None]
