@@ -84,7 +84,8 @@ class Decoder(Architecture, VAEDecoder):
                 tile = DEFAULT_TILE_SAMPLE_SIZE // self._compression()
                 h, w = min(h, tile), min(w, tile)
         width = self.config["decoder_base_dim"] * self.config["dim_mult"][0]
-        chunk = h * w * self.spatial_scale**2 * width * CHUNK_VALUES_PER_PIXEL_PER_CHANNEL
+        pixels = h * w * 4**self.upsamples  # of the last stage (before Wan 2.2's unpatchify)
+        chunk = pixels * width * CHUNK_VALUES_PER_PIXEL_PER_CHANNEL
         caches = cells * self.cache_values_per_cell()
         return int((2 * self.output_values(latent_shape) + b * (chunk + caches)) * element_size)
 
