@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"machine: {common.machine()}")
     rates = {d: common.gemm_rate(d, device) for d in dtypes}
 
-    ours_rope = decoder._rope(GRID, device)
+    ours_rope = decoder.rope(GRID, device)
     theirs_rope = peer_rope(cfg, device)
     assert torch.allclose(ours_rope[0][:, 0], theirs_rope[0][0, :, 0], atol=1e-6)
 

@@ -317,3 +317,38 @@ def test_synthetic_is_deterministic_and_gates_in_bf16(name):
         exact = a.eval().decode(z)
         fast = b.eval().to(torch.bfloat16).decode(z.to(torch.bfloat16))
     check(f"{name} bf16 vs fp32 (gate probe)", fast.float(), exact, min_cos=0.9999)
+
+
+def _viewing_causal(self, conv, x, frames):
+    """The carry as it was: a view into the concatenated input (pins all of it)."""
+    prev = self.carry.get(conv)
+    seq = (
+        torch.nn.functional.pad(x, (0, 0, 0, 0, frames, 0))
+        if prev is None
+        else torch.cat([prev, x], 2)
+    )
+    self.carry[conv] = seq[:, :, seq.shape[2] - frames :]
+    return seq
+
+
+def test_cache_carry_is_a_copy_lowering_the_peak_not_the_output(monkeypatch):
+    """Each conv's 2-frame carry is copied out of the chunk it came from: the peak (live
+    tensors on the meta device, Wan 2.1 at full width) drops, the decode does not change."""
+    from bench.meta_memory import live_peak
+
+    config = {**wan.SYNTHETIC["wan2.1-tiny"], "decoder_base_dim": 96, "num_res_blocks": 2}
+    with torch.device("meta"):
+        big = wan.Decoder(config).to(torch.bfloat16).eval()
+    z = torch.empty((1, 16, 5, 30, 52), device="meta", dtype=torch.bfloat16)
+    copied = live_peak(lambda: big.decode(z))
+    tiny = wan.Decoder(wan.SYNTHETIC["wan2.1-tiny"]).eval()
+    wan.init_synthetic(tiny, torch.Generator().manual_seed(0))
+    zt = latent(1, 16, 5, 4, 6)
+    with torch.inference_mode():
+        out_copied = tiny.decode(zt)
+    monkeypatch.setattr(wan.model.FrameCache, "causal", _viewing_causal)
+    viewed = live_peak(lambda: big.decode(z))
+    with torch.inference_mode():
+        out_viewed = tiny.decode(zt)
+    assert copied < 0.75 * viewed, (copied / 2**20, viewed / 2**20)
+    assert torch.equal(out_copied, out_viewed)

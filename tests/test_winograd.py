@@ -30,7 +30,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     ],
 )
 def test_conv3x3_matches_conv2d(batch, cin, cout, h, w, pad_rows, channels_last, monkeypatch):
-    monkeypatch.setattr(winograd, "BAND_BYTES", 1 << 16)  # several bands even here
+    monkeypatch.setattr(winograd, "TRANSFORMED_BLOCK_BYTES", 1 << 16)  # several bands even here
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, cin, h, w, generator=gen)
     if channels_last:
@@ -127,7 +127,7 @@ def test_flux_served_copy_uses_winograd_and_matches_diffusers(tiled):
 def test_conv3d_matches_conv3d(
     batch, cin, cout, frames, h, w, kt, padding, channels_last, band_bytes, monkeypatch
 ):
-    monkeypatch.setattr(winograd, "BAND_BYTES", band_bytes)
+    monkeypatch.setattr(winograd, "TRANSFORMED_BLOCK_BYTES", band_bytes)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(batch, cin, frames, h, w, generator=gen)
     if channels_last:

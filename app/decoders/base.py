@@ -22,6 +22,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
+from app.decoders import winograd
+
 # What ``decode`` returns, before any post-processing:
 #   "signed"   RGB in [-1, 1] (flux, ltx)
 #   "imagenet" ImageNet-normalized RGB (minimax-h3)
@@ -43,15 +45,15 @@ class VAEDecoder(nn.Module, ABC):
     # tiles/bands (less memory, the out-of-memory retry), False = never tile.
     supports_tiling: ClassVar[bool] = False
     exact_tiling: ClassVar[bool] = False  # tiled=True computes the same function (FLUX's bands)
-    # Device memory one decode takes beyond the weights, in values per output pixel (of each
-    # frame held at once), times the dtype's size: the runner's budget check. Families set
-    # their measured value (docs/BENCHMARKS.md); the default is generous.
-    working_values_per_pixel: ClassVar[int] = 1024
-    frames_held: ClassVar[int] = 8  # video decoders: output frames alive at once
+    # The family's CPU fast path opts its 3x3 convs of at most this many channels into
+    # Winograd (``winograd.prepare``); 0: none. Wider convs keep the direct kernels.
+    winograd_max_channels: ClassVar[int] = 0
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        # ``config`` None: a family's ``model.Architecture`` (first in the MRO) sets it
         super().__init__()
-        self.config = dict(config)
+        if config is not None:
+            self.config = dict(config)
 
     # --- geometry -------------------------------------------------------
     @property
@@ -73,13 +75,22 @@ class VAEDecoder(nn.Module, ABC):
         """Frames decoded from ``latent_frames`` (video decoders override)."""
         return latent_frames
 
-    def working_bytes(self, latent_shape: tuple[int, ...], element_size: int) -> int:
-        """Estimated device bytes of decoding a latent of ``latent_shape`` (batch included)."""
-        frames = 1
-        if len(latent_shape) == 5:
-            frames = min(self.frames_out(latent_shape[2]), self.frames_held)
+    def working_bytes(
+        self, latent_shape: tuple[int, ...], element_size: int, tiled: bool = False
+    ) -> int:
+        """Peak device bytes of one ``decode`` of a latent of ``latent_shape`` (batch
+        included) beyond the weights, on the path it is served (``tiled`` as the runner passes
+        it): the 413 admission check and the runner's plan both read it. Every family
+        overrides it from its own chunks, windows, tiles and clips, checked against a measured
+        peak (tests/test_memory_estimate.py); this default (the output, 8 times over) is for
+        test doubles only."""
+        return 8 * self.output_values(latent_shape) * element_size
+
+    def output_values(self, latent_shape: tuple[int, ...]) -> int:
+        """Values of ``decode``'s output for a latent of ``latent_shape``."""
+        frames = self.frames_out(latent_shape[2]) if len(latent_shape) == 5 else 1
         pixels = latent_shape[-2] * latent_shape[-1] * self.spatial_scale**2
-        return latent_shape[0] * frames * pixels * self.working_values_per_pixel * element_size
+        return latent_shape[0] * 3 * frames * pixels
 
     def summary(self) -> dict[str, Any]:
         """Short description for ``GET /models``."""
@@ -122,7 +133,10 @@ class VAEDecoder(nn.Module, ABC):
         return False
 
     def optimize(self) -> None:
-        """Turn on this family's fast-path rewrites (on the served copy, behind the gate)."""
+        """Turn on this family's fast-path rewrites (on the served copy, behind the gate);
+        by default the width-only Winograd opt-in of ``winograd_max_channels``."""
+        if self.winograd_max_channels:
+            winograd.prepare(self, max_channels=self.winograd_max_channels)
 
     def forward(self, z: Tensor) -> Tensor:
         """The exact architecture, one pass (families override it; ``decode`` adds the
@@ -140,8 +154,10 @@ class VAEDecoder(nn.Module, ABC):
             x = x * std + mean
         return x.clamp(0, 1)
 
-    def probe_latent(self, generator: torch.Generator) -> Tensor:
-        """A seeded N(0,1) latent of a representative size, for the parity gate."""
+    def probe_latent(self, generator: torch.Generator, tiled: bool = False) -> Tensor:
+        """A seeded N(0,1) latent of a representative size, for the parity gate. With
+        ``tiled`` (families that ``supports_tiling`` override it): larger than one tile of the
+        geometry ``decode(tiled=True)`` uses, so a gate check of it really tiles."""
         cells = max(1, 256 // self.spatial_scale)
         shape = (1, self.latent_channels)
         if self.is_video:

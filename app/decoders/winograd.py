@@ -35,7 +35,7 @@ _G = (
 TILE = 4  # output pixels per tile side; input tiles are TILE + 2 wide and overlap by 2
 # The transformed input of one block takes about this many bytes (its GEMM output as much):
 # small enough to stay in a last-level cache, large enough to keep the GEMMs efficient.
-BAND_BYTES = 16 << 20
+TRANSFORMED_BLOCK_BYTES = 16 << 20
 
 
 def transform_weight(weight: Tensor) -> Tensor:
@@ -139,13 +139,13 @@ def _frames(x: Tensor, u: Tensor, bias: Tensor | None, pad: tuple[int, int], out
 
 
 def _block(tiles_y: int, tiles_x: int, frames: int, kt: int, tile_bytes: int) -> tuple[int, int]:
-    """(tile rows, output frames) per block: transformed input within ``BAND_BYTES``, whole
+    """(tile rows, output frames) per block: transformed input within ``TRANSFORMED_BLOCK_BYTES``, whole
     frames first (the GEMMs then span every frame), down to one tile row of ``kt`` frames."""
     row_bytes = tiles_x * tile_bytes  # one tile row of one frame, transformed
-    n = BAND_BYTES // ((frames + kt - 1) * row_bytes)
+    n = TRANSFORMED_BLOCK_BYTES // ((frames + kt - 1) * row_bytes)
     if n >= 1:
         return min(n, tiles_y), frames
-    return 1, max(1, BAND_BYTES // row_bytes - kt + 1)
+    return 1, max(1, TRANSFORMED_BLOCK_BYTES // row_bytes - kt + 1)
 
 
 def _output_2d(m: Tensor, s: Tensor, tmp: Tensor, tiles: Tensor) -> None:

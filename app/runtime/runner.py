@@ -58,8 +58,11 @@ class Runner:
         oom_fallback: str = "off",
         memory_cap: int = 0,
         max_decode_pixels: int = 4 << 20,
+        budget: int | None = None,
     ) -> None:
         self.metrics = metrics
+        # bytes free for one decode, fixed (tests, an emulated card); None: the device's own
+        self.budget = budget
         self.oom_fallback = oom_fallback
         self.memory_cap = memory_cap
         self.max_decode_pixels = max_decode_pixels
@@ -140,7 +143,9 @@ class Runner:
     def _budget(self, decoder: VAEDecoder) -> int | None:
         """The share of free device memory a decode is planned into: near the limit the
         caching allocator has to free and retry, which costs more than a split."""
-        budget = devices.memory_budget(_device_of(decoder), self.memory_cap)
+        budget = self.budget
+        if budget is None:
+            budget = devices.memory_budget(_device_of(decoder), self.memory_cap)
         return None if budget is None else int(budget * PLANNING_SHARE)
 
     def _next_attempt(self, model: ServedModel, attempt: Attempt) -> Attempt:

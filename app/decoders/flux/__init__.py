@@ -1,10 +1,12 @@
 """The FLUX family: diffusers ``AutoencoderKL`` decoders (FLUX.1, SD3, SDXL/SD1.5) and FLUX.2's.
 
-``model.py`` is the exact architecture, ``fast.py`` the gated fast path (``Decoder.optimize``
-and banded execution), ``convert.py`` the checkpoint layouts and the seeded synthetic weights.
+``model.py`` the architecture, ``decode.py`` the served ``Decoder`` (row bands, memory
+estimate), ``fast.py`` the gated fast path, ``convert.py`` the checkpoint layouts,
+``synthetic.py`` the seeded weights (docs/decoders.md).
 """
 
-from app.decoders.flux.convert import SYNTHETIC, convert, init_synthetic
-from app.decoders.flux.model import Decoder
+from app.decoders.flux.convert import convert
+from app.decoders.flux.decode import Decoder
+from app.decoders.flux.synthetic import SYNTHETIC, init_synthetic
 
 __all__ = ["SYNTHETIC", "Decoder", "convert", "init_synthetic"]

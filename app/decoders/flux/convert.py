@@ -1,4 +1,4 @@
-"""Where FLUX-family weights come from: checkpoint layouts, and seeded synthetic weights.
+"""Where FLUX-family weights come from: checkpoint layouts (seeded weights: ``synthetic.py``).
 
 Our names are diffusers' decoder names minus the ``decoder.`` prefix (plus ``post_quant_conv``
 and FLUX.2's ``bn.running_*``), so a diffusers folder converts by dropping a prefix; Black
@@ -11,12 +11,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import safe_open
 from torch import Tensor
 
 from app.decoders import ops
-from app.decoders.flux.model import FLUX1_CONFIG, Decoder, ResnetBlock, SpatialAttention
+from app.decoders.flux.model import FLUX1_CONFIG
 
 # BFL / LDM single-file names -> ours, for the parts that are not per up block.
 _LDM_FIXED = {
@@ -126,37 +125,3 @@ def _infer_config(state: dict[str, Tensor], n_up: int) -> dict[str, Any]:
     if config["latent_bn"]:
         config["batch_norm_eps"] = 1e-4
     return config
-
-
-# --- embedded defaults --------------------------------------------------------
-
-SYNTHETIC: dict[str, dict[str, Any]] = {"flux1-synthetic": dict(FLUX1_CONFIG)}
-
-
-@torch.no_grad()
-def init_synthetic(decoder: Decoder, generator: torch.Generator) -> None:
-    """Seeded weights initialised like a trained VAE's: small residual-branch outputs.
-
-    Default-init random weights make every residual branch as large as its input, which
-    pushes bf16 far below the parity threshold; trained VAEs add small corrections.
-    """
-    for name, param in decoder.named_parameters():
-        if name.endswith(".bias"):
-            param.zero_()
-        elif "norm" in name:
-            param.fill_(1.0)
-        else:
-            fan_in = param[0].numel()
-            param.copy_(torch.randn(param.shape, generator=generator) / fan_in**0.5)
-    if decoder.bn is not None:  # FLUX.2: non-trivial latent statistics, like trained ones
-        decoder.bn.running_mean.copy_(
-            0.5 * torch.randn(decoder.bn.running_mean.shape, generator=generator)
-        )
-        decoder.bn.running_var.copy_(
-            0.5 + 1.5 * torch.rand(decoder.bn.running_var.shape, generator=generator)
-        )
-    for module in decoder.modules():
-        if isinstance(module, ResnetBlock):
-            module.conv2.weight.mul_(0.1)
-        elif isinstance(module, SpatialAttention):
-            module.to_out[0].weight.mul_(0.1)

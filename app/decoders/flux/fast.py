@@ -4,7 +4,7 @@
   * ``PhaseUpsample``: nearest-2x + 3x3 conv as four 2x2 convs on the low-res grid (the same
     sums, 4/9 of the FLOPs, no upsampled tensor);
   * in-place SiLU (each SiLU reads a fresh GroupNorm output: one buffer instead of two);
-  * on a CPU in float32, the resnets' 3x3 convs by Winograd's F(2x2, 3x3) (``winograd.py``):
+  * on a CPU in float32, the resnets' 3x3 convs by Winograd's F(4x4, 3x3) (``winograd.py``):
     16/36 of their GEMM work, not exact but within about 1e-7 of the reference.
 
 ``decode_banded`` runs the same modules with every full-resolution layer a band of rows at a
@@ -24,12 +24,9 @@ from app import timing
 from app.decoders import ops, winograd
 
 if TYPE_CHECKING:
-    from app.decoders.flux.model import Decoder, MidBlock, ResnetBlock, UpBlock
+    from app.decoders.flux.model import Architecture, MidBlock, ResnetBlock, UpBlock
 
-BAND_BYTES = 32 << 20  # float32 temporaries per row band
-# Banding saves memory but costs a statistics pass per GroupNorm (docs/BENCHMARKS.md), so by
-# default it is used only where memory matters: 1 Mpixel and up.
-BAND_MIN_PIXELS = 1024 * 1024
+ROW_BAND_BYTES = 32 << 20  # float32 temporaries per row band of the banded decode
 
 
 class PhaseUpsample(nn.Module):
@@ -45,9 +42,9 @@ class PhaseUpsample(nn.Module):
         return ops.upsample2x_conv3x3_phases(x, self.phase_weights, self.conv.bias)
 
 
-def optimize(decoder: Decoder) -> None:
+def optimize(decoder: Architecture) -> None:
     """Swap the fast modules in (on the served copy, after its dtype and memory format are
-    set) and turn on row bands for large outputs."""
+    set)."""
     for block in decoder.up_blocks:
         block.upsamplers = nn.ModuleList(PhaseUpsample(up.conv) for up in block.upsamplers)
     for module in decoder.modules():
@@ -56,10 +53,9 @@ def optimize(decoder: Decoder) -> None:
     # CPU float32 only (``suits``); not the upsamplers' convs: PhaseUpsample runs those
     for resnets in (decoder.mid_block.resnets, *(b.resnets for b in decoder.up_blocks)):
         winograd.prepare(resnets)
-    decoder.band_bytes = BAND_BYTES
 
 
-def decode_banded(decoder: Decoder, z: Tensor, band_bytes: int) -> Tensor:
+def decode_banded(decoder: Architecture, z: Tensor, band_bytes: int) -> Tensor:
     """``decoder(z)``, full-resolution layers a band of rows at a time (same result).
 
     Each stage gets its input with no other reference held here (``forward``-style calls,

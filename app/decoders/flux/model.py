@@ -8,8 +8,9 @@ One architecture covers FLUX.1 (16 ch, no post-quant conv), SD3 (16 ch), SDXL / 
 the 2x2 patch layout). Parameter names follow diffusers' (minus the ``decoder.`` prefix), so a
 diffusers checkpoint loads by renaming nothing (``convert.py`` maps the BFL/LDM layout).
 
-This file is the float32 source of truth. The fast path (``fast.py``: the upsample-conv
-rewrite, in-place SiLU, row bands) is swapped in by ``optimize`` and served behind the gate.
+This file is the float32 source of truth: the layers and ``Architecture.forward``.
+``decode.py`` serves it (``Decoder``: geometry, de-normalization, row bands, the memory
+estimate); ``fast.py`` holds the rewrites ``optimize`` swaps in behind the gate.
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from app.decoders import ops
-from app.decoders.base import VAEDecoder
-from app.decoders.flux import fast
 
 GN_EPS = 1e-6
 
@@ -129,16 +126,12 @@ class LatentStats(nn.Module):
         self.register_buffer("running_var", torch.ones(channels))
 
 
-class Decoder(VAEDecoder):
-    family = "flux"
-    output_space = "signed"
-    channels_last = True
-    supports_tiling = True  # row bands (fast.decode_banded): exact, less memory
-    exact_tiling = True
+class Architecture(nn.Module):
+    """The decoder network: ``forward`` maps a (de-normalized) latent to RGB in [-1, 1]."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__({**FLUX1_CONFIG, **config})
-        cfg = self.config
+        super().__init__()
+        self.config = cfg = {**FLUX1_CONFIG, **config}
         widths = list(reversed(cfg["block_out_channels"]))
         groups, latent = cfg["norm_num_groups"], cfg["latent_channels"]
         self.post_quant_conv = nn.Conv2d(latent, latent, 1) if cfg["use_post_quant_conv"] else None
@@ -158,10 +151,6 @@ class Decoder(VAEDecoder):
         self.conv_act = nn.SiLU()
         self.conv_out = nn.Conv2d(widths[-1], cfg["out_channels"], 3, padding=1)
         self.bn = LatentStats(4 * latent) if cfg["latent_bn"] else None
-        # Row bands by default (tiled=None) only once ``optimize`` sets band_bytes, and only
-        # for outputs of at least band_min_pixels: bands save memory but cost time.
-        self.band_bytes = 0
-        self.band_min_pixels = fast.BAND_MIN_PIXELS
 
     def forward(self, z: Tensor) -> Tensor:
         if self.post_quant_conv is not None:
@@ -171,44 +160,3 @@ class Decoder(VAEDecoder):
         for block in self.up_blocks:
             x = block(x)
         return self.conv_out(self.conv_act(self.conv_norm_out(x)))
-
-    # --- geometry -------------------------------------------------------
-    @property
-    def latent_channels(self) -> int:
-        return self.config["latent_channels"]
-
-    @property
-    def spatial_scale(self) -> int:
-        return 2 ** (len(self.config["block_out_channels"]) - 1)
-
-    # --- decoding -------------------------------------------------------
-    def denormalize(self, z: Tensor) -> Tensor:
-        """FLUX.2: BatchNorm stats over the 2x2 patch layout; others: z / scale + shift."""
-        if self.bn is None:
-            return z / self.config["scaling_factor"] + (self.config.get("shift_factor") or 0.0)
-        std = torch.sqrt(self.bn.running_var + self.config.get("batch_norm_eps", 1e-4))
-        std, mean = std.view(1, -1, 1, 1).to(z), self.bn.running_mean.view(1, -1, 1, 1).to(z)
-        return ops.unpatchify2x2(ops.patchify2x2(z) * std + mean)
-
-    def decode(self, z: Tensor, tiled: bool | None = None, **options: Any) -> Tensor:
-        """``tiled``: None = row bands on an optimized copy for large outputs, True = always
-        row bands (the out-of-memory retry), False = never."""
-        z = ops.to_model(z, self.conv_in.weight)
-        if tiled is None:
-            pixels = z.shape[0] * z.shape[-2] * z.shape[-1] * self.spatial_scale**2
-            tiled = bool(self.band_bytes) and pixels >= self.band_min_pixels
-        if tiled:
-            return fast.decode_banded(self, z, self.band_bytes or fast.BAND_BYTES)
-        return self(z)
-
-    def stages(self) -> list[tuple[str, nn.Module]]:
-        conv_in = [m for m in (self.post_quant_conv, self.conv_in) if m is not None]
-        return [
-            *(("conv_in", m) for m in conv_in),
-            ("mid", self.mid_block),
-            *((f"up_{i}", block) for i, block in enumerate(self.up_blocks)),
-            *(("conv_out", m) for m in (self.conv_norm_out, self.conv_act, self.conv_out)),
-        ]
-
-    def optimize(self) -> None:
-        fast.optimize(self)

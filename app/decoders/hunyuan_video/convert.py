@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from app.decoders import ops
-from app.decoders.hunyuan_video.model import HunyuanVideoDecoder, up_factors
+from app.decoders.hunyuan_video.model import Architecture, up_factors
 
 SCALING_FACTOR = 0.476986  # HunyuanVideo's published latent scale
 FPS = 24  # HunyuanVideo's frame rate
@@ -168,7 +168,7 @@ def check_state(config: dict[str, Any], state: dict[str, Tensor], source: Path) 
     """The converted names and shapes must be exactly the decoder's (checked on meta)."""
     try:
         with torch.device("meta"):
-            decoder = HunyuanVideoDecoder(config)
+            decoder = Architecture(config)
     except ValueError as exc:  # e.g. widths the norm groups do not divide
         raise ValueError(f"{source}: config {config}: {exc}") from None
     expected = {k: v.shape for k, v in decoder.state_dict().items()}

@@ -9,8 +9,8 @@ first frame and its borders in H and W are repeated (not zero-padded). Nothing h
 frame-local: GroupNorm statistics span T x H x W of the whole input, and the mid-block
 attention (one head over every pixel of every frame) lets a pixel of frame f see every pixel
 of frames 0..f. So one forward pass is one indivisible unit; the reference cuts long clips
-into overlapping windows of latent frames and blends them (``tiling.py``), and the service
-streams window by window.
+into overlapping windows of latent frames and blends them (``tiling.py``, run by
+``decode.py``), and the service streams window by window.
 
 Time: an upsampler with a temporal factor passes the input's first frame through once and
 doubles every later one (nearest), so T latent frames make 1 + 2(T-1) frames per temporal
@@ -20,24 +20,19 @@ upsampler; HunyuanVideo has two (blocks 1 and 2 of 4), hence 1 + 4(T-1).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app.decoders.base import VAEDecoder, decode_chunks
-from app.decoders.hunyuan_video import fast, tiling
 from app.decoders.ops import conv3d
-from app.decoders.tiling import Grid, blend_edge
-from app.timing import phase
 
 EPS = 1e-6  # every GroupNorm of the decoder
 
 
 # --- layers -------------------------------------------------------------------------------
-class CausalConv3d(nn.Module):
+class ReplicateCausalConv3d(nn.Module):
     """Conv3d after replicate padding: ``k - 1`` copies of the first frame before the clip,
     ``k // 2`` repeated border pixels on each side in H and W."""
 
@@ -59,10 +54,10 @@ class ResnetBlock(nn.Module):
     def __init__(self, cin: int, cout: int, groups: int) -> None:
         super().__init__()
         self.norm1 = nn.GroupNorm(groups, cin, eps=EPS)
-        self.conv1 = CausalConv3d(cin, cout)
+        self.conv1 = ReplicateCausalConv3d(cin, cout)
         self.norm2 = nn.GroupNorm(groups, cout, eps=EPS)
-        self.conv2 = CausalConv3d(cout, cout)
-        self.conv_shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
+        self.conv2 = ReplicateCausalConv3d(cout, cout)
+        self.conv_shortcut = ReplicateCausalConv3d(cin, cout, 1) if cin != cout else None
 
     def forward(self, x: Tensor) -> Tensor:
         skip = self.conv_shortcut(x) if self.conv_shortcut is not None else x
@@ -109,7 +104,7 @@ class Upsampler(nn.Module):
 
     def __init__(self, dim: int, temporal: bool, spatial: bool) -> None:
         super().__init__()
-        self.conv = CausalConv3d(dim, dim)
+        self.conv = ReplicateCausalConv3d(dim, dim)
         self.factor_t, self.factor_s = (2 if temporal else 1), (2 if spatial else 1)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -165,19 +160,14 @@ def up_factors(blocks: int, spatial_ratio: int, temporal_ratio: int) -> list[tup
     return [(blocks - 1 - temporal_ups <= i < blocks - 1, i < spatial_ups) for i in range(blocks)]
 
 
-# --- the decoder ----------------------------------------------------------------------------
-class HunyuanVideoDecoder(VAEDecoder):
-    """HunyuanVideo's VAE decoder behind the service's interface (``config``: diffusers'
-    ``AutoencoderKLHunyuanVideo`` names, see ``convert.py``)."""
-
-    family = "hunyuan-video"
-    output_space = "signed"
-    is_video = True
-    supports_tiling = True
-    frames_held = 17  # one default window: 1 + 4 * 4 output frames decode in one pass
+# --- the architecture ----------------------------------------------------------------------
+class Architecture(nn.Module):
+    """The decoder network (``config``: diffusers' ``AutoencoderKLHunyuanVideo`` names, see
+    ``convert.py``); ``forward`` is one pass over a whole latent clip (no windows, no tiles)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__(config)
+        super().__init__()
+        self.config = dict(config)
         z, groups = config["latent_channels"], config["norm_num_groups"]
         widths = list(reversed(config["block_out_channels"]))
         layers = config["layers_per_block"] + 1
@@ -185,7 +175,7 @@ class HunyuanVideoDecoder(VAEDecoder):
             len(widths), config["spatial_compression_ratio"], config["temporal_compression_ratio"]
         )
         self.post_quant_conv = nn.Conv3d(z, z, 1)
-        self.conv_in = CausalConv3d(z, widths[0])
+        self.conv_in = ReplicateCausalConv3d(z, widths[0])
         self.mid_block = MidBlock(widths[0], groups, config.get("mid_block_add_attention", True))
         self.up_blocks = nn.ModuleList(
             UpBlock(cin, cout, layers, groups, temporal, spatial)
@@ -195,98 +185,13 @@ class HunyuanVideoDecoder(VAEDecoder):
         )
         self.conv_norm_out = nn.GroupNorm(groups, widths[-1], eps=EPS)
         self.conv_act = nn.SiLU()
-        self.conv_out = CausalConv3d(widths[-1], config.get("out_channels", 3))
+        self.conv_out = ReplicateCausalConv3d(widths[-1], config.get("out_channels", 3))
         self._spatial = 2 ** sum(s for _, s in factors)
         self._temporal = 2 ** sum(t for t, _ in factors)
 
-    # --- geometry ---------------------------------------------------------------------------
-    @property
-    def latent_channels(self) -> int:
-        return self.config["latent_channels"]
-
-    @property
-    def spatial_scale(self) -> int:
-        return self._spatial
-
-    @property
-    def temporal_scale(self) -> int:
-        return self._temporal
-
-    def frames_out(self, latent_frames: int) -> int:
-        return 1 + self.temporal_scale * (latent_frames - 1)
-
-    def optimize(self) -> None:
-        fast.optimize(self)
-
-    def stages(self) -> list[tuple[str, nn.Module]]:
-        ups = [(f"up_{i}", block) for i, block in enumerate(self.up_blocks)]
-        return [
-            ("conv_in", self.post_quant_conv),
-            ("conv_in", self.conv_in),
-            ("mid", self.mid_block),
-            *ups,
-            ("conv_out", self.conv_norm_out),
-            ("conv_out", self.conv_act),
-            ("conv_out", self.conv_out),
-        ]
-
-    def probe_latent(self, generator: torch.Generator) -> Tensor:
-        # two latent frames (5 output frames) of 8x8 cells exercise every layer, the causal
-        # attention across frames included; CPUs without bf16 kernels run 3-D convs slowly
-        return torch.randn((1, self.latent_channels, 2, 8, 8), generator=generator)
-
-    def denormalize(self, z: Tensor) -> Tensor:
-        """``z / scaling_factor`` (what HunyuanVideoPipeline applies before decoding)."""
-        return z / self.config["scaling_factor"]
-
-    # --- the architecture -------------------------------------------------------------------
     def forward(self, z: Tensor) -> Tensor:
-        """One pass over a whole latent clip (no windows, no tiles)."""
         x = self.conv_in(self.post_quant_conv(z))
         x = self.mid_block(x)
         for block in self.up_blocks:
             x = block(x)
         return self.conv_out(self.conv_act(self.conv_norm_out(x)))
-
-    # --- decoding ---------------------------------------------------------------------------
-    def decode(self, z: Tensor, **options: Any) -> Tensor:
-        """What ``AutoencoderKLHunyuanVideo.decode`` returns (frame windows by default); a
-        4-D latent is one frame and decodes to a 4-D image."""
-        return decode_chunks(self, z, options)
-
-    def iter_decode(self, z: Tensor, **options: Any) -> Iterator[Tensor]:
-        """Output frames ``[B,3,t,H,W]`` in order, one frame window at a time.
-
-        Options (diffusers' names in brackets):
-          ``windowed`` (default True [use_framewise_decoding]): overlapping windows of
-            ``window_frames // 4 + 1`` latent frames every ``window_stride // 4``, when the
-            clip has more than ``window_frames // 4`` latent frames; False: one pass;
-          ``window_frames`` / ``window_stride`` (output frames, 16 / 12
-            [tile_sample_min_num_frames / tile_sample_stride_num_frames]);
-          ``tiled`` (None or False: no spatial tiles, diffusers' default; True: its
-            ``tiled_decode`` when the latent exceeds one tile [enable_tiling]);
-          ``tile_sample_size`` / ``tile_sample_stride`` (pixels, 256 / 192)."""
-        if z.ndim == 4:
-            z = z.unsqueeze(2)
-        weight = self.conv_in.conv.weight
-        z = z.to(device=weight.device, dtype=weight.dtype)
-        grid = tiling.grid(self, z, options) if options.get("tiled") else None
-        plan = tiling.windows(self, z.shape[2], options)
-        tail = None
-        for window in plan.windows:
-            out = self._decode_window(z[:, :, window.latent], grid)
-            if window.drop_first:
-                out = out[:, :, 1:]
-            if tail is not None:
-                with phase("blend"):
-                    blend_edge(tail, out, plan.blend, dim=2)
-            tail = out[:, :, max(0, out.shape[2] - plan.blend) :]
-            yield out[:, :, : window.keep]
-
-    def _decode_window(self, z: Tensor, grid: Grid | None) -> Tensor:
-        """One pass over a window of latent frames, in spatial tiles where ``grid`` says."""
-        if grid is None:
-            return self(z)
-        outs = [self(z[..., ys, xs]) for ys, xs in grid.tiles]
-        with phase("blend"):
-            return grid.blend(outs)

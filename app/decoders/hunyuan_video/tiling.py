@@ -21,14 +21,12 @@ decoded on its own, then blended in place in raster order with the tile above an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
+from app.decoders.base import VAEDecoder
 from app.decoders.tiling import Grid, sample_grid
-
-if TYPE_CHECKING:
-    from app.decoders.hunyuan_video.model import HunyuanVideoDecoder
 
 DEFAULT_WINDOW_FRAMES = 16  # diffusers' tile_sample_min_num_frames
 DEFAULT_WINDOW_STRIDE = 12  # diffusers' tile_sample_stride_num_frames
@@ -48,7 +46,7 @@ class Plan:
     blend: int  # output frames ramped from the previous window
 
 
-def windows(decoder: HunyuanVideoDecoder, frames: int, options: dict[str, Any]) -> Plan:
+def windows(decoder: VAEDecoder, frames: int, options: dict[str, Any]) -> Plan:
     """The reference's windows for a clip of ``frames`` latent frames."""
     size = int(options.get("window_frames") or DEFAULT_WINDOW_FRAMES)
     stride = int(options.get("window_stride") or DEFAULT_WINDOW_STRIDE)
@@ -70,7 +68,7 @@ def windows(decoder: HunyuanVideoDecoder, frames: int, options: dict[str, Any]) 
 
 
 # --- spatial tiles ------------------------------------------------------------------------------
-def grid(decoder: HunyuanVideoDecoder, z: Tensor, options: dict[str, Any]) -> Grid | None:
+def grid(decoder: VAEDecoder, z: Tensor, options: dict[str, Any]) -> Grid | None:
     """The reference's tiles for latent ``z``; None when it fits in one tile (not tiled)."""
     ratio = int(decoder.config.get("spatial_compression_ratio") or decoder.spatial_scale)
     return sample_grid(z, options, ratio)

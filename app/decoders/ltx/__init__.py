@@ -1,11 +1,14 @@
-"""The LTX-Video family: every ``diffusers.AutoencoderKLLTXVideo`` decoder variant.
+"""The LTX-Video family: every ``diffusers.AutoencoderKLLTXVideo`` decoder variant, and LTX-2.
 
-``model.py`` is the exact architecture (``Decoder.forward``: one pass over the clip),
-``streaming.py`` runs the same stages on frame chunks and spatial tiles (``decode``,
-``iter_decode``), ``convert.py`` the checkpoint layouts and the seeded synthetic weights.
+``model.py`` the exact architecture (``Architecture.forward``: one pass over the clip),
+``ltx2.py`` LTX-2's layers and spec, ``decode.py`` the served ``Decoder`` (both versions,
+conditioning, memory estimate), ``streaming.py`` the same stages on frame chunks and spatial
+tiles, ``convert.py`` the checkpoint layouts, ``synthetic.py`` the seeded weights (the CPU
+fast path is ``Decoder.winograd_max_channels``).
 """
 
-from app.decoders.ltx.convert import SYNTHETIC, convert, init_synthetic
-from app.decoders.ltx.model import Decoder
+from app.decoders.ltx.convert import convert
+from app.decoders.ltx.decode import Decoder
+from app.decoders.ltx.synthetic import SYNTHETIC, init_synthetic
 
 __all__ = ["SYNTHETIC", "Decoder", "convert", "init_synthetic"]

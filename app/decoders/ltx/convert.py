@@ -2,7 +2,7 @@
 Lightricks single-file checkpoint, or seeded synthetic weights (``ltx-tiny``, ``ltx2-tiny``).
 
 LTX-2 (``AutoencoderKLLTX2Video``) arrives the same ways and is told apart by its config and
-weights (``_ltx2_markers``); its config gets ``"version": "ltx2"`` (``ltx2.LTX2Decoder``).
+weights (``_ltx2_markers``); its config gets ``"version": "ltx2"`` (``ltx2.variant_spec``).
 A full LTX-2 checkpoint also holds the transformer, the audio VAE and the vocoder: only the
 video decoder is imported. Refused, naming what was seen: audio VAE / vocoder alone, LTX-2
 single files without their embedded config or with blocks whose Lightricks and diffusers
@@ -23,66 +23,10 @@ from torch import Tensor
 
 from app.decoders import ops
 from app.decoders.ltx import ltx2
-from app.decoders.ltx.model import DEFAULT_FPS, DEFAULTS, Decoder
-
-SYNTHETIC: dict[str, dict[str, Any]] = {
-    # The 0.9.1 topology in miniature: timestep conditioning, noise, residual 2x upsamplers.
-    "ltx-tiny": {
-        **DEFAULTS,
-        "decoder_block_out_channels": [16, 32, 64],
-        "decoder_layers_per_block": [1, 1, 1, 1],
-        "decoder_spatio_temporal_scaling": [True, True, True],
-        "decoder_inject_noise": [True, True, False, False],
-        "upsample_residual": [True, True, True],
-        "upsample_factor": [2, 2, 2],
-        "timestep_conditioning": True,
-        "decode_timestep": 0.05,
-        "fps": DEFAULT_FPS,
-    },
-    # LTX-2's decoder in miniature: reflect padding, one upsampler of each kind (spatial,
-    # temporal, both), residual 2x, causal, timestep conditioning and noise on.
-    "ltx2-tiny": {
-        **ltx2.DEFAULTS,
-        "decoder_block_out_channels": [16, 32, 64],
-        "decoder_layers_per_block": [1, 1, 1, 1],
-        "decoder_inject_noise": [True, True, False, False],
-        "upsample_type": ["spatial", "temporal", "spatiotemporal"],
-        "timestep_conditioning": True,
-        "decode_timestep": 0.05,
-        "fps": DEFAULT_FPS,
-    },
-}
+from app.decoders.ltx.ltx2 import variant_spec
+from app.decoders.ltx.model import DEFAULT_FPS, DEFAULTS, Architecture
 
 
-# --- synthetic weights --------------------------------------------------------------------
-def init_synthetic(decoder: Decoder, generator: torch.Generator) -> None:
-    """Deterministic trained-like weights: fan-in scaled convs, each residual branch's last
-    conv scaled down (x0.1), small noise scales and modulation tables."""
-    with torch.no_grad():
-        for name, p in decoder.named_parameters():
-            p.copy_(_synthetic_value(name, p, generator))
-
-
-def _synthetic_value(name: str, p: Tensor, gen: torch.Generator) -> Tensor:
-    randn = torch.randn(p.shape, generator=gen)
-    if name.endswith("timestep_scale_multiplier"):
-        return torch.tensor(1000.0)
-    if "norm3.weight" in name:
-        return torch.ones(p.shape)
-    if name.endswith("bias"):
-        return randn * 0.01
-    if "per_channel_scale" in name:
-        return randn * 0.02
-    if name.endswith("scale_shift_table"):
-        return randn * 0.05
-    fan_in = p[0].numel() if p.ndim > 1 else 1
-    value = randn / math.sqrt(fan_in)
-    if name.endswith("conv2.conv.weight"):
-        value *= 0.1
-    return value
-
-
-# --- checkpoint conversion ----------------------------------------------------------------
 def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A diffusers ``vae/`` folder (or a pipeline folder holding one), or a Lightricks
     single-file checkpoint -> (config, decoder-only state dict in canonical names)."""
@@ -436,7 +380,7 @@ def _has_noise(state: dict[str, Tensor], prefix: str) -> bool:
 def _check_state(config: dict[str, Any], state: dict[str, Tensor]) -> None:
     """The converted names and shapes must be exactly the decoder's (checked on meta)."""
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in Decoder(config).state_dict().items()}
+        expected = {k: v.shape for k, v in Architecture(*variant_spec(config)).state_dict().items()}
     got = {k: v.shape for k, v in state.items()}
     missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
     bad = [k for k in expected.keys() & got.keys() if expected[k] != got[k]]

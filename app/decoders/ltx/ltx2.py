@@ -13,27 +13,27 @@ timestep modulation, noise injection, streaming) with three differences, each a 
 
 RMSNorm is the shared one (statistics in float32; diffusers' ``PerChannelRMSNorm`` divides by
 ``sqrt`` in the input dtype: the same at float32). The config carries ``"version": "ltx2"``
-(written by ``convert``); ``app.decoders.ltx.Decoder(config)`` builds this class from it.
+(written by ``convert``); ``app.decoders.ltx.Decoder(config)`` then builds its network from
+``ltx2_spec`` (``decode.py``). This module imports ``model`` only.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from app.decoders.ltx.model import DEFAULTS as LTX_DEFAULTS
 from app.decoders.ltx.model import (
-    DEFAULT_FPS,
     BlockSpec,
-    CausalConv3d,
-    Decoder,
     DecoderSpec,
+    EdgeFrameConv3d,
+    Stream,
     decoder_spec,
 )
-from app.decoders.ltx.streaming import Stream
 from app.decoders.ops import conv3d
 
 VERSION = "ltx2"
@@ -69,8 +69,8 @@ _BOOL_LISTS = {"decoder_spatio_temporal_scaling": 0, "decoder_inject_noise": 1}
 
 
 # --- layers -------------------------------------------------------------------------------
-class PaddedConv3d(CausalConv3d):
-    """``CausalConv3d`` whose spatial padding is ``padding_mode`` (time: edge frames)."""
+class PaddedConv3d(EdgeFrameConv3d):
+    """``EdgeFrameConv3d`` whose spatial padding is ``padding_mode`` (time: edge frames)."""
 
     def __init__(self, cin: int, cout: int, kernel: int, causal: bool, padding_mode: str) -> None:
         super().__init__(cin, cout, kernel, causal)
@@ -169,29 +169,11 @@ def ltx2_spec(config: dict[str, Any]) -> LTX2Spec:
     return LTX2Spec(**{**values, "blocks": blocks}, padding_mode=mode)
 
 
-# --- the decoder --------------------------------------------------------------------------
-class LTX2Decoder(Decoder):
-    """LTX-2 decoder; ``decode`` equals ``AutoencoderKLLTX2Video.decode(z, temb).sample``.
-
-    Everything but the layers above is 0.9.x's ``Decoder``: options (``timestep``, ``seed``,
-    ``chunk_frames``, ``tiled``), streaming, conditioning, stages, ``denormalize``
-    (``LTX2Pipeline._denormalize_latents`` is the same formula)."""
-
-    defaults: ClassVar[dict[str, Any]] = DEFAULTS
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__(normalize_config(config))
-
-    @staticmethod
-    def make_spec(config: dict[str, Any]) -> DecoderSpec:
-        return ltx2_spec(config)
-
-    def summary(self) -> dict[str, Any]:
-        spec = self.spec
-        assert isinstance(spec, LTX2Spec)
-        return {
-            **super().summary(),
-            "version": VERSION,
-            "padding_mode": spec.padding_mode,
-            "fps": self.config.get("fps", DEFAULT_FPS),
-        }
+def variant_spec(config: dict[str, Any]) -> tuple[dict[str, Any], DecoderSpec]:
+    """A config (LTX-2's when ``"version": "ltx2"``, else LTX-Video 0.9.x's) with its
+    version's defaults filled in, and the spec of its network."""
+    if config.get("version") == VERSION:
+        full = normalize_config(config)
+        return full, ltx2_spec(full)
+    full = {**LTX_DEFAULTS, **config}
+    return full, decoder_spec(full)

@@ -15,8 +15,8 @@ when not), RMSNorm normalizes over channels, and an upsampler maps each frame to
 (depth-to-space) and drops the very first output frame.
 
 Every layer takes a ``Stream``: the temporal state that lets the same modules run a clip in
-one pass (``Decoder.forward``) or as a stream of frame chunks and spatial tiles
-(``streaming.py``, what ``decode`` / ``iter_decode`` run). Injected noise is drawn once per
+one pass (``Architecture.forward``) or as a stream of frame chunks and spatial tiles
+(``streaming.py``, what ``decode.py``'s ``decode`` / ``iter_decode`` run). Injected noise is drawn once per
 decode for the full frame (in diffusers' draw order) and cropped per tile, so a seed gives the
 same noise in every mode.
 
@@ -34,17 +34,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app import timing
-from app.decoders.base import VAEDecoder
-from app.decoders.ltx import fast, streaming
-from app.decoders.ltx.streaming import Conditioning, Stream
 from app.decoders.ops import conv3d
 
 RMS_EPS = 1e-8  # diffusers' RMSNorm in the LTX blocks
@@ -68,6 +64,52 @@ DEFAULTS: dict[str, Any] = {
     "scaling_factor": 1.0,
 }
 DEFAULT_FPS = 25  # LTXPipeline's frame_rate default
+
+
+# --- per-decode state -------------------------------------------------------------------------
+@dataclass
+class Conditioning:
+    """What one decode shares across chunks and tiles: modulations and full-frame noise."""
+
+    mods: dict[nn.Module, tuple[Tensor, ...]] = field(default_factory=dict)
+    noise: dict[nn.Module, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    latent_hw: tuple[int, int] = (0, 0)
+
+
+@dataclass
+class Stream:
+    """The temporal state of one tile's stream: conv carries, skip FIFOs, frames to drop."""
+
+    cond: Conditioning
+    origin: tuple[int, int] = (0, 0)  # the tile's top-left latent cell
+    chunk: int = 0  # latent frames per piece (0: unbounded)
+    final: bool = False  # the current call carries the stream's last frames
+    carry: dict[nn.Module, Tensor] = field(default_factory=dict)
+    fifo: dict[Any, Tensor] = field(default_factory=dict)
+    to_drop: dict[Any, int] = field(default_factory=dict)
+
+    def align(self, key: Any, skip: Tensor, frames: int) -> Tensor:
+        """Queue skip frames; hand back the oldest ``frames`` of them (the branch lags)."""
+        queued = self.fifo.pop(key, None)
+        if queued is not None:
+            skip = torch.cat([queued, skip], 2)
+        if skip.shape[2] > frames:
+            self.fifo[key] = skip[:, :, frames:].clone()  # clone: don't pin the whole chunk
+            skip = skip[:, :, :frames]
+        return skip
+
+    def drop_first(self, key: Any, x: Tensor, count: int) -> Tensor:
+        """Drop the first ``count`` frames of a stream, whichever calls they arrive in."""
+        left = self.to_drop.setdefault(key, count)
+        n = min(left, x.shape[2])
+        self.to_drop[key] = left - n
+        return x[:, :, n:] if n else x
+
+    def noise_crop(self, full: Tensor, like: Tensor) -> Tensor:
+        """This tile's window of a full-frame noise map at ``like``'s resolution."""
+        scale = full.shape[0] // self.cond.latent_hw[0]
+        y, x = self.origin[0] * scale, self.origin[1] * scale
+        return full[y : y + like.shape[-2], x : x + like.shape[-1]]
 
 
 # --- small pure ops -----------------------------------------------------------------------
@@ -112,7 +154,7 @@ class Unpatchify(nn.Module):
         return x.reshape(b, c, t * pt, h * p, w * p)
 
 
-class CausalConv3d(nn.Module):
+class EdgeFrameConv3d(nn.Module):
     """Conv3d padded in time by repeating edge frames, run on a stream of frame chunks."""
 
     def __init__(self, cin: int, cout: int, kernel: int, causal: bool) -> None:
@@ -212,7 +254,7 @@ class Upsampler(nn.Module):
 
     def __init__(self, cin: int, causal: bool, residual: bool, factor: int) -> None:
         super().__init__()
-        self.conv = CausalConv3d(cin, cin * 8 // factor, 3, causal)
+        self.conv = EdgeFrameConv3d(cin, cin * 8 // factor, 3, causal)
         self.residual, self.factor = residual, factor
         self.cout = cin // factor
 
@@ -295,10 +337,10 @@ class DecoderSpec:
 
     # the layers this spec builds (LTX-2's spec, in ltx2.py, builds its own)
     def conv(self, cin: int, cout: int, kernel: int) -> nn.Module:
-        return CausalConv3d(cin, cout, kernel, self.causal)
+        return EdgeFrameConv3d(cin, cout, kernel, self.causal)
 
     def shortcut(self, cin: int, cout: int) -> nn.Module:
-        return CausalConv3d(cin, cout, 1, self.causal)
+        return EdgeFrameConv3d(cin, cout, 1, self.causal)
 
     def upsampler(self, b: BlockSpec) -> nn.Module:
         return Upsampler(b.cout * b.factor, self.causal, b.residual, b.factor)
@@ -355,27 +397,14 @@ def _check_block(i: int, ch_in: int, b: BlockSpec, timestep: bool) -> None:
         raise ValueError(f"up block {i}: {entering} channels enter {b.cout}-channel resnets")
 
 
-# --- the decoder --------------------------------------------------------------------------
-class Decoder(VAEDecoder):
-    """LTX-Video decoder; ``decode`` equals ``AutoencoderKLLTXVideo.decode(z).sample``."""
+# --- the architecture ----------------------------------------------------------------------
+class Architecture(nn.Module):
+    """The LTX-Video decoder network of ``spec`` (``decoder_spec``, or LTX-2's ``ltx2_spec``);
+    ``forward`` decodes a whole clip in one pass."""
 
-    family = "ltx"
-    output_space = "signed"
-    is_video = True
-    supports_tiling = True  # blended spatial tiles: approximate, never on by default
-
-    defaults: ClassVar[dict[str, Any]] = DEFAULTS  # what a config may omit
-
-    def __new__(cls, config: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Decoder:
-        if cls is Decoder and config is not None and config.get("version") == "ltx2":
-            from app.decoders.ltx.ltx2 import LTX2Decoder
-
-            cls = LTX2Decoder
-        return super().__new__(cls)
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__({**self.defaults, **config})
-        spec = self.spec = self.make_spec(self.config)
+    def __init__(self, config: dict[str, Any], spec: DecoderSpec) -> None:
+        super().__init__()
+        self.config, self.spec = dict(config), spec
         self.conv_in = spec.conv(spec.latent_channels, spec.mid_channels, 3)
         self.mid_block = MidBlock(spec.mid_channels, spec)
         self.up_blocks = nn.ModuleList()
@@ -394,60 +423,6 @@ class Decoder(VAEDecoder):
             self.timestep_scale_multiplier = nn.Parameter(torch.tensor(1000.0))
             self.time_embedder = TimeEmbedder(last * 2)
             self.scale_shift_table = nn.Parameter(torch.zeros(2, last))
-        self._register_latent_stats()
-
-    @staticmethod
-    def make_spec(config: dict[str, Any]) -> DecoderSpec:
-        return decoder_spec(config)
-
-    def _register_latent_stats(self) -> None:
-        c = self.spec.latent_channels
-        mean = torch.tensor(self.config.get("latents_mean") or [0.0] * c, dtype=torch.float32)
-        std = torch.tensor(self.config.get("latents_std") or [1.0] * c, dtype=torch.float32)
-        self.register_buffer("latents_mean", mean, persistent=False)
-        self.register_buffer("latents_std", std, persistent=False)
-
-    # --- geometry ------------------------------------------------------------------------
-    @property
-    def latent_channels(self) -> int:
-        return self.spec.latent_channels
-
-    def _upscale(self, axis: int) -> int:
-        """The upsamplers' product along ``axis`` (0: time, 1: height)."""
-        return math.prod(b.stride[axis] for b in self.spec.blocks if b.upsample)
-
-    @property
-    def spatial_scale(self) -> int:
-        return self.spec.patch * self._upscale(1)
-
-    @property
-    def temporal_scale(self) -> int:
-        return self.spec.patch_t * self._upscale(0)
-
-    def frames_out(self, latent_frames: int) -> int:
-        return ((latent_frames - 1) * self._upscale(0) + 1) * self.spec.patch_t
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            **super().summary(),
-            "timestep_conditioning": self.spec.timestep,
-            "inject_noise": self._noisy(),
-            "causal": self.spec.causal,
-            "fps": self.config.get("fps", DEFAULT_FPS),
-        }
-
-    def _noisy(self) -> bool:
-        return any(r.per_channel_scale1 is not None for r in self._resnets())
-
-    def probe_latent(self, generator: torch.Generator) -> Tensor:
-        return torch.randn((1, self.latent_channels, 2, 4, 4), generator=generator)
-
-    def denormalize(self, z: Tensor) -> Tensor:
-        """LTXPipeline._denormalize_latents: z * std / scaling_factor + mean, per channel."""
-        shape = (1, -1) + (1,) * (z.ndim - 2)
-        mean = self.latents_mean.to(z.device, z.dtype).view(shape)
-        std = self.latents_std.to(z.device, z.dtype).view(shape)
-        return z * std / float(self.config["scaling_factor"]) + mean
 
     def forward(self, z: Tensor, cond: Conditioning | None = None) -> Tensor:
         """The whole clip in one pass: ``[B,C,T,H,W]`` -> ``[B,3,T',H',W']``."""
@@ -463,46 +438,8 @@ class Decoder(VAEDecoder):
         h = self.norm_out(x, s.cond.mods.get(self))
         return self.unpatchify(self.conv_out(self.conv_act(h), s))
 
-    def optimize(self) -> None:
-        fast.optimize(self)
-
-    def stages(self) -> list[tuple[str, nn.Module]]:
-        head = (self.norm_out, self.conv_act, self.conv_out, self.unpatchify)
-        return [
-            ("conv_in", self.conv_in),
-            ("mid", self.mid_block),
-            *((f"up_{i}", block) for i, block in enumerate(self.up_blocks)),
-            *(("conv_out", m) for m in head),
-        ]
-
-    # --- decoding ------------------------------------------------------------------------
-    def decode(self, z: Tensor, **options: Any) -> Tensor:
-        """``[B,C,T,H,W]`` -> ``[B,3,T',H',W']``; an image latent ``[B,C,H,W]`` is decoded as
-        one frame and returned as ``[B,3,H',W']``."""
-        if z.ndim == 4:
-            return self.decode(z.unsqueeze(2), **options)[:, :, 0]
-        total = self.frames_out(z.shape[2])
-        out, pos = None, 0
-        for piece in self.iter_decode(z, **options):
-            if out is None and piece.shape[2] == total:  # one pass: nothing to assemble
-                return piece
-            if out is None:  # preallocate: no second full copy of the video
-                out = piece.new_empty(piece.shape[:2] + (total,) + piece.shape[3:])
-            out[:, :, pos : pos + piece.shape[2]] = piece
-            pos += piece.shape[2]
-        assert out is not None and pos == total, (pos, total)
-        return out
-
-    @torch.no_grad()
-    def iter_decode(self, z: Tensor, **options: Any) -> Iterator[Tensor]:
-        """Yield the decoded video in order as ``[B, 3, t, H, W]`` chunks (memory bounded)."""
-        weight = self.conv_in.conv.weight
-        z = z.to(device=weight.device, dtype=weight.dtype)
-        if z.ndim == 4:
-            z = z.unsqueeze(2)
-        with timing.phase("condition"):
-            cond = self.conditioning(z, options)
-        yield from streaming.stream(self, z, cond, options)
+    def _noisy(self) -> bool:
+        return any(r.per_channel_scale1 is not None for r in self._resnets())
 
     def option(self, options: dict[str, Any], key: str, default: Any) -> Any:
         """A request option, else the model config's value, else the default (None = unset)."""

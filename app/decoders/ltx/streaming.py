@@ -24,71 +24,23 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from app import timing
-
-if TYPE_CHECKING:
-    from app.decoders.ltx.model import Decoder
+from app.decoders.ltx.model import Architecture, Conditioning, Stream
 
 Stage = Callable[[Tensor, "Stream"], Tensor]
 Tile = tuple[int, int, int, int]  # (y0, x0, h, w) in latent cells
 
 
-# --- per-decode state -------------------------------------------------------------------------
-@dataclass
-class Conditioning:
-    """What one decode shares across chunks and tiles: modulations and full-frame noise."""
-
-    mods: dict[nn.Module, tuple[Tensor, ...]] = field(default_factory=dict)
-    noise: dict[nn.Module, tuple[Tensor, Tensor]] = field(default_factory=dict)
-    latent_hw: tuple[int, int] = (0, 0)
-
-
-@dataclass
-class Stream:
-    """The temporal state of one tile's stream: conv carries, skip FIFOs, frames to drop."""
-
-    cond: Conditioning
-    origin: tuple[int, int] = (0, 0)  # the tile's top-left latent cell
-    chunk: int = 0  # latent frames per piece (0: unbounded)
-    final: bool = False  # the current call carries the stream's last frames
-    carry: dict[nn.Module, Tensor] = field(default_factory=dict)
-    fifo: dict[Any, Tensor] = field(default_factory=dict)
-    to_drop: dict[Any, int] = field(default_factory=dict)
-
-    def align(self, key: Any, skip: Tensor, frames: int) -> Tensor:
-        """Queue skip frames; hand back the oldest ``frames`` of them (the branch lags)."""
-        queued = self.fifo.pop(key, None)
-        if queued is not None:
-            skip = torch.cat([queued, skip], 2)
-        if skip.shape[2] > frames:
-            self.fifo[key] = skip[:, :, frames:].clone()  # clone: don't pin the whole chunk
-            skip = skip[:, :, :frames]
-        return skip
-
-    def drop_first(self, key: Any, x: Tensor, count: int) -> Tensor:
-        """Drop the first ``count`` frames of a stream, whichever calls they arrive in."""
-        left = self.to_drop.setdefault(key, count)
-        n = min(left, x.shape[2])
-        self.to_drop[key] = left - n
-        return x[:, :, n:] if n else x
-
-    def noise_crop(self, full: Tensor, like: Tensor) -> Tensor:
-        """This tile's window of a full-frame noise map at ``like``'s resolution."""
-        scale = full.shape[0] // self.cond.latent_hw[0]
-        y, x = self.origin[0] * scale, self.origin[1] * scale
-        return full[y : y + like.shape[-2], x : x + like.shape[-1]]
-
-
 def stream(
-    decoder: Decoder, z: Tensor, cond: Conditioning, options: dict[str, Any]
+    decoder: Architecture, z: Tensor, cond: Conditioning, options: dict[str, Any], scale: int
 ) -> Iterator[Tensor]:
-    """Decode ``z [B,C,T,H,W]`` chunk by chunk (and tile by tile), yielding frames in order."""
+    """Decode ``z [B,C,T,H,W]`` chunk by chunk (and tile by tile), yielding frames in order;
+    ``scale``: output pixels per latent cell."""
     chunk = int(decoder.option(options, "chunk_frames", 2))
     tiles = _tiles(decoder, z, options)
     stages = _stages(decoder)
@@ -105,11 +57,11 @@ def stream(
         ]
         if outs[0] is not None:
             with timing.phase("blend"):
-                blended = _blend(outs, tiles, z.shape[-2:], decoder.spatial_scale)
+                blended = _blend(outs, tiles, z.shape[-2:], scale)
             yield blended
 
 
-def _stages(decoder: Decoder) -> list[tuple[Stage, int]]:
+def _stages(decoder: Architecture) -> list[tuple[Stage, int]]:
     """(stage, temporal rate of its input relative to the latent), in order."""
     stages: list[tuple[Stage, int]] = [(decoder.conv_in, 1), (decoder.mid_block, 1)]
     rate = 1
@@ -154,7 +106,7 @@ def _pieces(y: Tensor, last: bool, rate: int, s: Stream) -> list[tuple[Tensor, b
 
 
 # --- spatial tiles ----------------------------------------------------------------------------
-def _tiles(decoder: Decoder, z: Tensor, options: dict[str, Any]) -> list[Tile]:
+def _tiles(decoder: Architecture, z: Tensor, options: dict[str, Any]) -> list[Tile]:
     """Latent tiles; one tile covering everything unless ``tiled``."""
     h, w = z.shape[-2:]
     if not decoder.option(options, "tiled", False):

@@ -1,12 +1,13 @@
 """The MiniMax-H3 family: the ViT3D video decoder and its image variant.
 
-``model.py`` is the exact architecture (``Decoder.forward`` decodes one tile clip),
-``schedule.py`` the reference's tile and clip schedules that ``decode`` runs over it,
-``convert.py`` the checkpoint layouts and the seeded synthetic weights, ``fast.py`` the
-served copy's rewrites (behind the gate).
+``model.py`` the exact architecture (``Architecture.forward`` decodes one tile clip),
+``decode.py`` the served ``Decoder`` (both variants, the tile and clip schedules of
+``schedule.py`` over ``forward``, memory estimate), ``fast.py`` the served copy's rewrites
+(behind the gate), ``convert.py`` the checkpoint layouts, ``synthetic.py`` the seeded weights.
 """
 
-from app.decoders.minimax_h3.convert import SYNTHETIC, convert, init_synthetic
-from app.decoders.minimax_h3.model import Decoder
+from app.decoders.minimax_h3.convert import convert
+from app.decoders.minimax_h3.decode import Decoder
+from app.decoders.minimax_h3.synthetic import SYNTHETIC, init_synthetic
 
 __all__ = ["SYNTHETIC", "Decoder", "convert", "init_synthetic"]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
-    from app.decoders.minimax_h3.model import Block, Decoder, FeedForward, Rope
+    from app.decoders.minimax_h3.model import Architecture, Block, FeedForward, Rope
 
 
 class GatedFeedForward(nn.Module):
@@ -62,6 +62,6 @@ class FastBlocks(nn.ModuleList):
         return x
 
 
-def optimize(model: Decoder) -> None:
+def optimize(model: Architecture) -> None:
     vit = model.decoder
     vit.transformer_blocks = FastBlocks(FastBlock(b) for b in vit.transformer_blocks)

@@ -6,9 +6,9 @@ SwiGLU, layer scales) runs over a tile's tokens plus learned register tokens and
 one all-zero token, and a LayerNorm + linear head expands each cell into a
 ``patch_t x patch x patch`` RGB block (ImageNet-normalized).
 
-``Decoder.forward`` decodes one tile clip. ``decode`` / ``iter_decode`` run the reference's
-256-px spatial tiles and 17-frame temporal clips over it (``schedule.py``): that tiling is
-part of the model's output, not a memory strategy.
+``Architecture.forward`` decodes one tile clip. ``decode.py``'s ``decode`` / ``iter_decode``
+run the reference's 256-px spatial tiles and 17-frame temporal clips over it
+(``schedule.py``): that tiling is part of the model's output, not a memory strategy.
 
 State-dict names are diffusers' (``AutoencoderKLMiniMaxH3``) decoder half.
 """
@@ -16,26 +16,11 @@ State-dict names are diffusers' (``AutoencoderKLMiniMaxH3``) decoder half.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from app import timing
-from app.decoders.base import VAEDecoder
-from app.decoders.minimax_h3 import fast
-from app.decoders.minimax_h3.schedule import (
-    TILE,
-    ClipPlan,
-    clip_plan,
-    crossfade,
-    split_tiles,
-    stitch_tiles,
-)
-
-DEFAULT_BATCH_TOKENS = 16384  # tokens per block-stack call when tiles are batched
 
 DEFAULTS: dict[str, Any] = {
     "latent_channels": 24,
@@ -58,7 +43,7 @@ DEFAULTS: dict[str, Any] = {
 }
 
 # Parameters the reference pins to float32 whatever the compute dtype.
-_FP32_SUFFIXES = (
+FP32_SUFFIXES = (
     "norm1.weight",
     "norm2.weight",
     "norm_out.weight",
@@ -242,214 +227,34 @@ class Unpatchify(nn.Module):
         return x.reshape(x.shape[0], x.shape[1], t * pt, h * p, w * p)
 
 
-# --- the decoder --------------------------------------------------------------
+# --- the architecture ---------------------------------------------------------
 
 
-def _is_image(config: dict[str, Any]) -> bool:
-    return int(config.get("decoder_rope_axes", 3)) == 2
-
-
-class Decoder(VAEDecoder):
-    """MiniMax-H3 video decoder: ``[B,C,T,h,w]`` latents -> ``[B,3,T',16h,16w]``.
-
-    Constructing it from an image config (``decoder_rope_axes: 2``) returns an
-    ``ImageDecoder``, so ``is_video`` stays a true class attribute.
-    """
-
-    family: ClassVar[str] = "minimax-h3"
-    output_space = "imagenet"
-    is_video = True
-
-    def __new__(cls, config: dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Decoder:
-        if cls is Decoder and config is not None and _is_image(config):
-            cls = ImageDecoder
-        return super().__new__(cls)
+class Architecture(nn.Module):
+    """The decoder network; ``forward`` decodes one tile clip ``[B,C,t,h,w]`` ->
+    ``[B,3,t*pt,h*p,w*p]``, untiled."""
 
     def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
         cfg = {**DEFAULTS, **config}
         c = cfg["latent_channels"]
         cfg["latents_mean"] = [float(v) for v in (cfg["latents_mean"] or [0.0] * c)]
         cfg["latents_std"] = [float(v) for v in (cfg["latents_std"] or [1.0] * c)]
-        super().__init__(cfg)
+        self.config = cfg
         self.post_quant_conv = nn.Conv3d(c, c, kernel_size=1)
         self.decoder = ViTDecoder(cfg)
         self.unpatchify = Unpatchify(cfg["patch_size_t"], cfg["patch_size"])
         self._rope_cache: dict[tuple[Any, ...], Rope] = {}
 
     def forward(self, z: Tensor) -> Tensor:
-        """One tile clip: ``[B,C,t,h,w]`` -> ``[B,3,t*pt,h*p,w*p]``, untiled."""
         b, c, t, h, w = z.shape
         # the 1x1x1 conv as a conv (not a linear): the same rounding as the reference in bf16
         tokens = self.post_quant_conv(z).permute(0, 2, 3, 4, 1).reshape(b, t * h * w, c)
-        x = self.decoder(tokens, self._rope((t, h, w), z.device))
+        x = self.decoder(tokens, self.rope((t, h, w), z.device))
         return self.unpatchify(x, (t, h, w))
 
-    # --- geometry ---------------------------------------------------------
-    @property
-    def latent_channels(self) -> int:
-        return int(self.config["latent_channels"])
-
-    @property
-    def spatial_scale(self) -> int:
-        return int(self.config["patch_size"])
-
-    @property
-    def temporal_scale(self) -> int:
-        return int(self.config["patch_size_t"])
-
-    def frames_out(self, latent_frames: int) -> int:
-        return self.plan(latent_frames).frames
-
-    def plan(self, latent_frames: int) -> ClipPlan:
-        cfg = self.config
-        return clip_plan(latent_frames, cfg["patch_size_t"], cfg["clip_length"], cfg["token_drop"])
-
-    def summary(self) -> dict[str, Any]:
-        cfg = self.config
-        heads = cfg["decoder_num_attention_heads"]
-        return super().summary() | {
-            "variant": "video" if self.is_video else "image",
-            "layers": cfg["decoder_num_layers"],
-            "dim": heads * cfg["decoder_attention_head_dim"],
-            "heads": heads,
-        }
-
-    def probe_latent(self, generator: torch.Generator) -> Tensor:
-        # one full 256-px tile, one latent frame: a few hundred tokens
-        cells = max(1, TILE // self.spatial_scale)
-        return torch.randn((1, self.latent_channels, 1, cells, cells), generator=generator)
-
-    def denormalize(self, z: Tensor) -> Tensor:
-        """``z * latents_std + latents_mean`` per channel, as the pipeline does."""
-        shape = (1, -1) + (1,) * (z.ndim - 2)
-        mean = torch.tensor(self.config["latents_mean"], device=z.device).view(shape)
-        std = torch.tensor(self.config["latents_std"], device=z.device).view(shape)
-        return z * std + mean
-
-    def stages(self) -> list[tuple[str, nn.Module]]:
-        vit = self.decoder
-        return [
-            ("embed", self.post_quant_conv),
-            ("embed", vit.proj_in),
-            ("blocks", vit.transformer_blocks),
-            ("head", vit.norm_out),
-            ("head", vit.proj_out),
-            ("unpatchify", self.unpatchify),
-        ]
-
-    def fine_stages(self) -> list[tuple[str, nn.Module]]:
-        """Inside the blocks, for profiling: ``norm``, ``qkv``, ``attention``, ``out``, ``ffn``
-        (instrument these beside ``stages()``; ``blocks`` then holds their sum)."""
-        found: list[tuple[str, nn.Module]] = []
-        for block in self.decoder.transformer_blocks:
-            a = block.attn
-            found += [("norm", block.norm1), ("norm", block.norm2), ("ffn", block.ff)]
-            found += [("qkv", m) for m in (a.to_q, a.to_k, a.to_v, a.qk_norm)]
-            found += [("attention", a.attend), ("out", a.to_out[0])]
-        return found
-
-    def keeps_float32(self, name: str) -> bool:
-        # the norms and layer scales, as the reference pins them (``_apply`` below)
-        return name.endswith(_FP32_SUFFIXES)
-
-    def optimize(self) -> None:
-        fast.optimize(self)
-
-    def to(self, *args: Any, **kwargs: Any) -> Decoder:
-        # channels_last means nothing to a token decoder, and the 5-D
-        # post_quant_conv weight rejects it: ignore the request
-        kwargs.pop("memory_format", None)
-        return super().to(*args, **kwargs)
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Decoder:
-        # Casting to a lower dtype keeps the norms and layer scales in float32,
-        # as the reference pins them (`_keep_in_fp32_modules`).
-        pinned = {
-            name: p.data
-            for name, p in self.named_parameters()
-            if name.endswith(_FP32_SUFFIXES) and p.dtype == torch.float32
-        }
-        super()._apply(fn, recurse)
-        for name, p in self.named_parameters():
-            if name in pinned and p.dtype != torch.float32:
-                p.data = pinned[name].to(p.device)
-        self._rope_cache = {}
-        return self
-
-    # --- decoding: the reference's tiles and clips over ``forward`` --------
-    def decode(self, z: Tensor, **options: Any) -> Tensor:
-        return torch.cat(list(self.iter_decode(z, **options)), dim=2)
-
-    def iter_decode(self, z: Tensor, **options: Any) -> Iterator[Tensor]:
-        """Yield ``[B,3,t,H,W]`` frame chunks in order, as each clip is decoded.
-
-        ``options``: ``max_batch_tokens`` (tiles batched per ``forward`` call).
-        """
-        z = self._check(z if z.ndim == 5 else z.unsqueeze(2))
-        plan = self.plan(z.shape[2])
-        if plan.pad_tokens:
-            z = torch.cat((z, z[:, :, -1:].expand(-1, -1, plan.pad_tokens, -1, -1)), dim=2)
-        left = plan.frames
-
-        def emit(frames: Tensor) -> Tensor:
-            nonlocal left
-            frames = frames[:, :, :left]
-            left -= frames.shape[2]
-            return frames.contiguous()
-
-        if plan.single:
-            yield emit(self._decode_clip(z, options)[:, :, plan.pre_pad :])
-            return
-        carry: Tensor | None = None
-        cf = plan.chunk_frames
-        for start, stop in plan.clips:
-            clip = self._decode_clip(z[:, :, start:stop], options)
-            with timing.phase("chunk_blend"), torch.no_grad():
-                head = clip[:, :, :cf][:, :, plan.pre_pad :]
-                if carry is not None:
-                    head = crossfade(carry, head, plan.overlap, dim=2)
-                carry = clip[:, :, cf : 2 * cf][:, :, plan.pre_pad :] if plan.carries else None
-                head = emit(head)
-            if head.shape[2]:
-                yield head
-        if carry is not None and left > 0:
-            yield emit(carry)
-
-    def _check(self, z: Tensor) -> Tensor:
-        if z.ndim != 5 or z.shape[1] != self.latent_channels or 0 in z.shape:
-            raise ValueError(
-                f"expected a latent [B,{self.latent_channels},T,H,W] (or [B,C,H,W]), "
-                f"got {list(z.shape)}"
-            )
-        return z.to(self.post_quant_conv.weight.dtype)
-
-    @torch.no_grad()
-    def _decode_clip(self, z: Tensor, options: dict[str, Any]) -> Tensor:
-        """One temporal clip ``[B,C,t,h,w]``, spatially tiled and blended."""
-        r = self.spatial_scale
-        height, width = z.shape[-2] * r, z.shape[-1] * r
-        ys, yl, yo = split_tiles(height, r)
-        xs, xl, xo = split_tiles(width, r)
-        th, tw = yl[0] // r, xl[0] // r
-        # every tile has the same shape: decode them as one batch of sequences
-        subs = [z[..., y // r : y // r + th, x // r : x // r + tw] for y in ys for x in xs]
-        out = self._decode_tiles(torch.cat(subs), options)
-        grid = out.unflatten(0, (len(ys), len(xs), z.shape[0]))
-        tiles = [[grid[i, j] for j in range(len(xs))] for i in range(len(ys))]
-        with timing.phase("tile_blend"):
-            if len(ys) * len(xs) == 1:
-                return tiles[0][0]
-            return stitch_tiles(tiles, (ys, xs), (yo, xo), (height, width))
-
-    def _decode_tiles(self, z: Tensor, options: dict[str, Any]) -> Tensor:
-        """``[S,C,t,h,w]`` independent tiles -> ``[S,3,t*pt,h*p,w*p]``, in groups."""
-        _, _, t, h, w = z.shape
-        tokens = t * h * w + self.decoder.register_tokens.shape[1] + 1
-        budget = int(options.get("max_batch_tokens") or DEFAULT_BATCH_TOKENS)
-        parts = [self(part) for part in z.split(max(1, budget // tokens))]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _rope(self, grid: tuple[int, int, int], device: torch.device) -> Rope:
+    def rope(self, grid: tuple[int, int, int], device: torch.device) -> Rope:
+        """The RoPE tables of a ``(t, h, w)`` token grid (cached per grid and device)."""
         axes = int(self.config["decoder_rope_axes"])
         key = (grid, str(device))
         if key not in self._rope_cache:
@@ -460,36 +265,3 @@ class Decoder(VAEDecoder):
                 grid[3 - axes :], extra, rope_dim, cfg["decoder_rope_theta"], device
             )
         return self._rope_cache[key]
-
-
-class ImageDecoder(Decoder):
-    """MiniMax-H3-Image: ``patch_size_t`` 1, RoPE over (h, w) only.
-
-    Takes ``[B,C,H,W]`` and returns ``[B,3,16H,16W]``; a ``[B,C,T,H,W]`` stack
-    is decoded frame by frame (each frame one image) into ``[B,3,T,16H,16W]``.
-    """
-
-    is_video = False
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__(config)
-        if self.config["patch_size_t"] != 1:
-            raise ValueError("the image variant needs patch_size_t 1")
-
-    def frames_out(self, latent_frames: int) -> int:
-        return latent_frames
-
-    def probe_latent(self, generator: torch.Generator) -> Tensor:
-        cells = max(1, TILE // self.spatial_scale)
-        return torch.randn((1, self.latent_channels, cells, cells), generator=generator)
-
-    def decode(self, z: Tensor, **options: Any) -> Tensor:
-        if z.ndim == 4:
-            return self._decode_clip(self._check(z.unsqueeze(2)), options).squeeze(2)
-        return torch.cat(list(self.iter_decode(z, **options)), dim=2)
-
-    def iter_decode(self, z: Tensor, **options: Any) -> Iterator[Tensor]:
-        """One ``[B,3,1,H,W]`` chunk per latent frame."""
-        z = self._check(z if z.ndim == 5 else z.unsqueeze(2))
-        for frame in z.split(1, dim=2):
-            yield self._decode_clip(frame, options)

@@ -1,10 +1,12 @@
 """The TAESD family: madebyollin's tiny preview decoders (TAESD, TAEF1, TAEF2).
 
-``model.py`` is the architecture, ``convert.py`` the checkpoint layouts (no fast path: the
-decoder is already tiny; its optimized copy differs only in dtype and memory format).
+``model.py`` the architecture, ``decode.py`` the served ``Decoder``, ``convert.py`` the
+checkpoint layouts, ``synthetic.py`` the seeded weights (no fast path: the decoder is already
+tiny; its optimized copy differs only in dtype and memory format).
 """
 
 from app.decoders.taesd.convert import convert
-from app.decoders.taesd.model import Decoder
+from app.decoders.taesd.decode import Decoder
+from app.decoders.taesd.synthetic import SYNTHETIC, init_synthetic
 
-__all__ = ["Decoder", "convert"]
+__all__ = ["SYNTHETIC", "Decoder", "convert", "init_synthetic"]

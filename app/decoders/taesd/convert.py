@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app.decoders.taesd.model import DEFAULTS, Decoder
+from app.decoders.taesd.model import DEFAULTS, Architecture
 
 # --- checkpoint conversion -------------------------------------------------
 
@@ -127,7 +127,7 @@ def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
         source = _pick_file(source.iterdir())
     sd = _canonicalize(_load(source))
     config = infer_config(sd)
-    Decoder(config).load_state_dict(sd, strict=True)  # fail at import, not at serve
+    Architecture(config).load_state_dict(sd, strict=True)  # fail at import, not at serve
     return config, sd
 
 

@@ -25,8 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app.decoders.base import VAEDecoder
-
 # Label -> the latent channels of that variant; TAEF2 is also told apart by its pool branch.
 VARIANT_CHANNELS = {"taesd": 4, "taef1": 16, "taef2": 32}
 DEFAULTS: dict[str, Any] = {
@@ -110,16 +108,12 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-class Decoder(VAEDecoder):
-    """A TAESD-family decoder; ``decode`` returns RGB in about [0, 1], unclamped."""
-
-    family = "taesd"
-    output_space = "unit"
-    channels_last = True
+class Architecture(nn.Module):
+    """The decoder network; ``forward`` returns RGB in about [0, 1], unclamped."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        cfg = normalize_config(config)
-        super().__init__(cfg)
+        super().__init__()
+        self.config = cfg = normalize_config(config)
         ch, blocks = cfg["channels"], cfg["blocks"]
         self.clamp = Clamp()
         self.conv_in = conv3(cfg["latent_channels"], ch[0])
@@ -131,42 +125,9 @@ class Decoder(VAEDecoder):
         )
         self.conv_out = conv3(ch[-1], 3)
 
-    @property
-    def latent_channels(self) -> int:
-        return int(self.config["latent_channels"])
-
-    @property
-    def spatial_scale(self) -> int:
-        return 2 ** len(self.up)
-
-    def summary(self) -> dict[str, Any]:
-        # "preview" lets a sampler pick this model for per-step previews from GET /models.
-        return {**super().summary(), "preview": True, "variant": self.config["variant"]}
-
-    def probe_latent(self, generator: torch.Generator) -> Tensor:
-        # A tiny decoder needs no 256-px probe: 128 px exercises every layer.
-        return torch.randn((1, self.latent_channels, 16, 16), generator=generator)
-
     def forward(self, z: Tensor) -> Tensor:
         x = self.act_in(self.conv_in(self.clamp(z)))
         x = self.mid(x)
         for stage in self.up:
             x = stage(x)
         return self.conv_out(x)
-
-    def decode(self, z: Tensor, **options: Any) -> Tensor:
-        if z.ndim != 4 or z.shape[1] != self.latent_channels:
-            raise ValueError(
-                f"taesd: expected a latent [B,{self.latent_channels},H,W], got {list(z.shape)}"
-            )
-        return self(z.to(self.conv_in.weight.dtype))
-
-    def stages(self) -> list[tuple[str, nn.Module]]:
-        return [
-            ("clamp", self.clamp),
-            ("conv_in", self.conv_in),
-            ("conv_in", self.act_in),
-            ("mid", self.mid),
-            *((f"up_{i}", stage) for i, stage in enumerate(self.up)),
-            ("conv_out", self.conv_out),
-        ]

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from app.decoders import ops
-from app.decoders.wan.model import WanDecoder
+from app.decoders.wan.model import Architecture
 
 # Published latent statistics (diffusers' AutoencoderKLWan defaults = Wan 2.1 = Qwen-Image;
 # Wan 2.2 from Wan-Video/Wan2.2's Wan2_2_VAE).
@@ -271,7 +271,7 @@ def _infer_config(state: dict[str, Tensor], path: Path) -> dict[str, Any]:
 def check_state(config: dict[str, Any], state: dict[str, Tensor], source: Path) -> None:
     """The converted names and shapes must be exactly the decoder's (checked on meta)."""
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in WanDecoder(config).state_dict().items()}
+        expected = {k: v.shape for k, v in Architecture(config).state_dict().items()}
     got = {k: v.shape for k, v in state.items()}
     missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
     bad = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])

@@ -21,12 +21,12 @@ from torch import nn
 from app.decoders import winograd
 
 if TYPE_CHECKING:
-    from app.decoders.wan.model import WanDecoder
+    from app.decoders.wan.model import Architecture
 
 MAX_CHANNELS = 384
 
 
-def optimize(decoder: WanDecoder) -> None:
+def optimize(decoder: Architecture) -> None:
     if decoder.conv_in.weight.device.type != "cpu":
         return
     winograd.prepare(decoder, max_channels=MAX_CHANNELS)

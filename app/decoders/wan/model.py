@@ -15,7 +15,7 @@ upsampling convs) except the causal 3-D convs. A causal conv sees its input prec
 ZERO frames at the start of the stream (not repeated frames, as in LTX), then the last two
 frames it saw: the reference decodes one latent frame per call with a frame cache, and that is
 the same arithmetic as one causal pass. So the decoder streams exactly, any number of latent
-frames at a time (``Stream`` holds each conv's two-frame carry). One first-frame rule: a
+frames at a time (``FrameCache`` holds each conv's two-frame carry). One first-frame rule: a
 temporal upsampler passes the stream's first frame through undoubled and unseen by its time
 conv, which starts on the second frame with a zero carry; so T latent frames make 1 + 2(T-1)
 frames per temporal upsampler. Wan 2.2's duplicate-up shortcut drops its first frame to match.
@@ -23,7 +23,6 @@ frames per temporal upsampler. Wan 2.2's duplicate-up shortcut drops its first f
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,17 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app.decoders import ops
-from app.decoders.base import VAEDecoder, decode_chunks
 from app.decoders.ops import conv3d
-from app.decoders.wan import fast, tiling
-from app.timing import phase
-
-CARRY = 2  # frames a 3-tap causal conv keeps from the previous chunk
 
 
 @dataclass
-class Stream:
+class FrameCache:
     """The temporal state of one decode (of one tile): conv carries and first-chunk flags."""
 
     carry: dict[nn.Module, Tensor] = field(default_factory=dict)
@@ -52,7 +45,8 @@ class Stream:
         prev = self.carry.get(conv)
         # zero frames by padding, which keeps x's memory format (a cat with new zeros may not)
         seq = F.pad(x, (0, 0, 0, 0, frames, 0)) if prev is None else torch.cat([prev, x], 2)
-        self.carry[conv] = seq[:, :, seq.shape[2] - frames :]
+        # a copy: a view would pin the whole concatenated input until the next chunk
+        self.carry[conv] = seq[:, :, seq.shape[2] - frames :].clone()
         return seq
 
     def first_call(self, module: nn.Module) -> bool:
@@ -64,14 +58,14 @@ class Stream:
 
 
 # --- layers -------------------------------------------------------------------------------
-class CausalConv3d(nn.Conv3d):
+class ZeroPadCausalConv3d(nn.Conv3d):
     """Conv3d, zero-padded in space, causal in time (two zero frames, then the carry)."""
 
     def __init__(self, cin: int, cout: int, kernel: int | tuple[int, int, int]) -> None:
         k = (kernel,) * 3 if isinstance(kernel, int) else kernel
         super().__init__(cin, cout, k, padding=(0, k[1] // 2, k[2] // 2))
 
-    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+    def forward(self, x: Tensor, s: FrameCache | None = None) -> Tensor:
         kt = self.kernel_size[0]
         if kt > 1:
             assert s is not None, "a temporal conv needs its stream"
@@ -99,12 +93,12 @@ class ResidualBlock(nn.Module):
     def __init__(self, cin: int, cout: int) -> None:
         super().__init__()
         self.norm1 = RMSNorm(cin)
-        self.conv1 = CausalConv3d(cin, cout, 3)
+        self.conv1 = ZeroPadCausalConv3d(cin, cout, 3)
         self.norm2 = RMSNorm(cout)
-        self.conv2 = CausalConv3d(cout, cout, 3)
-        self.conv_shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
+        self.conv2 = ZeroPadCausalConv3d(cout, cout, 3)
+        self.conv_shortcut = ZeroPadCausalConv3d(cin, cout, 1) if cin != cout else None
 
-    def forward(self, x: Tensor, s: Stream) -> Tensor:
+    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
         skip = self.conv_shortcut(x) if self.conv_shortcut is not None else x
         h = self.conv1(F.silu(self.norm1(x)), s)
         h = self.conv2(F.silu(self.norm2(h)), s)
@@ -143,16 +137,16 @@ class Upsampler(nn.Module):
     def __init__(self, dim: int, cout: int, temporal: bool) -> None:
         super().__init__()
         self.resample = nn.Sequential(Upsample2x(), nn.Conv2d(dim, cout, 3, padding=1))
-        self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1)) if temporal else None
+        self.time_conv = ZeroPadCausalConv3d(dim, dim * 2, (3, 1, 1)) if temporal else None
 
-    def forward(self, x: Tensor, s: Stream) -> Tensor:
+    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
         if self.time_conv is not None:
             x = self._double_frames(x, s)
         b, c, t, h, w = x.shape
         y = self.resample(x.transpose(1, 2).reshape(b * t, c, h, w))
         return y.view(b, t, *y.shape[1:]).transpose(1, 2)
 
-    def _double_frames(self, x: Tensor, s: Stream) -> Tensor:
+    def _double_frames(self, x: Tensor, s: FrameCache) -> Tensor:
         """Each frame -> two (the time conv's two channel halves), except the stream's first."""
         first = []
         if s.first_call(self):
@@ -179,7 +173,7 @@ class MidBlock(nn.Module):
         self.resnets = nn.ModuleList([ResidualBlock(dim, dim), ResidualBlock(dim, dim)])
         self.attentions = nn.ModuleList([AttentionBlock(dim)])
 
-    def forward(self, x: Tensor, s: Stream) -> Tensor:
+    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
         x = self.resnets[0](x, s)
         return self.resnets[1](self.attentions[0](x), s)
 
@@ -197,7 +191,7 @@ class UpBlock(nn.Module):
         if up is not None:
             self.upsamplers = nn.ModuleList([Upsampler(cout, cout // 2, up == "3d")])
 
-    def forward(self, x: Tensor, s: Stream) -> Tensor:
+    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
         for resnet in self.resnets:
             x = resnet(x, s)
         return self.upsamplers[0](x, s) if self.upsamplers is not None else x
@@ -215,7 +209,7 @@ class ResidualUpBlock(nn.Module):
         self.upsampler = Upsampler(cout, cout, up == "3d") if up is not None else None
         self.cout, self.factor_t = cout, 2 if up == "3d" else 1
 
-    def forward(self, x: Tensor, s: Stream) -> Tensor:
+    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
         h = x
         for resnet in self.resnets:
             h = resnet(h, s)
@@ -228,26 +222,23 @@ class ResidualUpBlock(nn.Module):
         return h + skip
 
 
-# --- the decoder ----------------------------------------------------------------------------
-class WanDecoder(VAEDecoder):
-    """Wan 2.1 / 2.2 / Qwen-Image decoder behind the service's interface (``config``: the
-    diffusers ``AutoencoderKLWan`` names, see ``convert.py``)."""
-
-    family = "wan"
-    output_space = "signed"
-    is_video = True
-    supports_tiling = True
+# --- the architecture ----------------------------------------------------------------------
+class Architecture(nn.Module):
+    """The decoder network (``config``: the diffusers ``AutoencoderKLWan`` names, see
+    ``convert.py``); ``forward`` continues a ``FrameCache``, so it runs a clip in one call or
+    as a stream of frame chunks."""
 
     def __init__(self, config: dict[str, Any]) -> None:
-        super().__init__(config)
+        super().__init__()
+        self.config = dict(config)
         z, dim, mult = config["z_dim"], config["decoder_base_dim"], config["dim_mult"]
         residual = bool(config.get("is_residual", False))
         temporal = list(reversed(config["temperal_downsample"]))
         layers = config["num_res_blocks"] + 1
         self.patch = int(config.get("patch_size") or 1)
         dims = [dim * m for m in [mult[-1], *reversed(mult)]]
-        self.post_quant_conv = CausalConv3d(z, z, 1)
-        self.conv_in = CausalConv3d(z, dims[0], 3)
+        self.post_quant_conv = ZeroPadCausalConv3d(z, z, 1)
+        self.conv_in = ZeroPadCausalConv3d(z, dims[0], 3)
         self.mid_block = MidBlock(dims[0])
         self.up_blocks = nn.ModuleList()
         for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
@@ -259,91 +250,19 @@ class WanDecoder(VAEDecoder):
                 self.up_blocks.append(UpBlock(cin // 2 if i else cin, cout, layers, up))
         self.norm_out = RMSNorm(dims[-1])
         # out_channels counts conv_out's channels: 3, or 12 to unpatchify 2x2 (Wan 2.2)
-        self.conv_out = CausalConv3d(dims[-1], config.get("out_channels", 3), 3)
+        self.conv_out = ZeroPadCausalConv3d(dims[-1], config.get("out_channels", 3), 3)
         self.upsamples = len(mult) - 1
         self.temporal_ups = sum(bool(t) for t in temporal[: self.upsamples])
-        mean, std = config.get("latents_mean"), config.get("latents_std")
-        self.register_buffer("latents_mean", _stat(mean, z, 0.0), persistent=False)
-        self.register_buffer("latents_std", _stat(std, z, 1.0), persistent=False)
 
-    # --- geometry ---------------------------------------------------------------------------
-    @property
-    def latent_channels(self) -> int:
-        return self.config["z_dim"]
-
-    @property
-    def spatial_scale(self) -> int:
-        return 2**self.upsamples * self.patch
-
-    @property
-    def temporal_scale(self) -> int:
-        return 2**self.temporal_ups
-
-    def frames_out(self, latent_frames: int) -> int:
-        return 1 + self.temporal_scale * (latent_frames - 1)
-
-    def summary(self) -> dict[str, Any]:
-        return {**super().summary(), "variant": self.config.get("variant", "wan")}
-
-    def optimize(self) -> None:
-        fast.optimize(self)
-
-    def stages(self) -> list[tuple[str, nn.Module]]:
-        ups = [(f"up_{i}", block) for i, block in enumerate(self.up_blocks)]
-        return [
-            ("conv_in", self.conv_in),
-            ("mid", self.mid_block),
-            *ups,
-            ("conv_out", self.conv_out),
-        ]
-
-    def denormalize(self, z: Tensor) -> Tensor:
-        """``z * std + mean`` per channel (what Wan and Qwen-Image pipelines apply)."""
-        shape = (1, -1) + (1,) * (z.ndim - 2)
-        std, mean = self.latents_std.to(z).view(shape), self.latents_mean.to(z).view(shape)
-        return z * std + mean
-
-    # --- the architecture -------------------------------------------------------------------
-    def forward_stream(self, z: Tensor, s: Stream) -> Tensor:
-        """Latent frames -> output frames (patched, unclamped), continuing stream ``s``."""
-        x = self.conv_in(self.post_quant_conv(z), s)
-        x = self.mid_block(x, s)
+    def forward(self, z: Tensor, cache: FrameCache | None = None) -> Tensor:
+        """Latent frames -> output frames (patched, unclamped), continuing ``cache`` (a fresh
+        one: the clip from its start)."""
+        cache = FrameCache() if cache is None else cache
+        x = self.conv_in(self.post_quant_conv(z), cache)
+        x = self.mid_block(x, cache)
         for block in self.up_blocks:
-            x = block(x, s)
-        return self.conv_out(F.silu(self.norm_out(x)), s)
-
-    # --- decoding ---------------------------------------------------------------------------
-    def decode(self, z: Tensor, **options: Any) -> Tensor:
-        """What ``AutoencoderKLWan.decode`` (or ``AutoencoderKLQwenImage.decode``) returns; a
-        4-D latent is one frame and decodes to a 4-D image."""
-        return decode_chunks(self, z, options)
-
-    def iter_decode(self, z: Tensor, **options: Any) -> Iterator[Tensor]:
-        """Output frames ``[B,3,t,H,W]`` in order, ``chunk_frames`` latent frames at a time.
-
-        Options: ``chunk_frames`` (default 2; 0 = the whole clip at once); ``tiled`` (None or
-        False: one pass, as diffusers decodes by default; True: diffusers' ``tiled_decode``
-        tiles and blend, when the latent is larger than one tile); ``tile_sample_size`` /
-        ``tile_sample_stride`` (pixels, diffusers' 256 / 192)."""
-        if z.ndim == 4:
-            z = z.unsqueeze(2)
-        z = ops.to_model(z, self.conv_in.weight)
-        step = int(options.get("chunk_frames", 2)) or z.shape[2]
-        grid = tiling.grid(self, z, options) if options.get("tiled") else None
-        streams = [Stream() for _ in (grid.tiles if grid else [None])]
-        for t0 in range(0, z.shape[2], step):
-            part = z[:, :, t0 : t0 + step]
-            if grid is None:
-                out = self.forward_stream(part, streams[0])
-            else:
-                outs = [self.forward_stream(part[..., ys, xs], st) for (ys, xs), st in
-                        zip(grid.tiles, streams, strict=True)]  # fmt: skip
-                with phase("blend"):
-                    out = grid.blend(outs)
-            out = unpatchify(out, self.patch)
-            # AutoencoderKLQwenImage.tiled_decode returns its blend unclamped ("tiled_clamp")
-            clamp = grid is None or self.config.get("tiled_clamp", True)
-            yield out.clamp(-1.0, 1.0) if clamp else out
+            x = block(x, cache)
+        return self.conv_out(F.silu(self.norm_out(x)), cache)
 
 
 def unpatchify(x: Tensor, p: int) -> Tensor:
@@ -353,9 +272,3 @@ def unpatchify(x: Tensor, p: int) -> Tensor:
     b, cpp, t, h, w = x.shape
     x = x.view(b, cpp // (p * p), p, p, t, h, w).permute(0, 1, 4, 5, 3, 6, 2)
     return x.reshape(b, cpp // (p * p), t, h * p, w * p)
-
-
-def _stat(values: list[float] | None, channels: int, default: float) -> Tensor:
-    if values is None:
-        return torch.full((channels,), default)
-    return torch.tensor(values, dtype=torch.float32)

@@ -1,0 +1,65 @@
+"""The runner's first plan for each full-size family under an emulated L4 (21.5 GiB): the
+decoder's own ``working_bytes`` against the budget the runner plans into (issue 23.3).
+
+A decode that fits is never tiled (tiles change the output); one that does not is tiled
+where the family can tile, and the tiled decode then fits; MiniMax-H3 209x768x1344 is served
+(not refused: it cannot tile, and it does not need to), LTX-2 and Wan 720p decode untiled.
+The models are built on the meta device (no memory), so this runs on any CPU.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from app.decoders.ltx import ltx2
+from app.decoders.minimax_h3.model import DEFAULTS as MINIMAX_DEFAULTS
+from app.metrics import Metrics
+from app.runtime.runner import PLANNING_SHARE, Runner
+from tests.test_memory_estimate import CASES, WAN_21, latent_shape, served_on_meta
+
+L4_BYTES = int(21.5 * 2**30)  # what VAE_DEVICE_MEMORY_GB=21.5 emulates
+UNTILED = sorted({(f, tuple(s)): c for f, c, s, _ in CASES}.items())
+
+
+def first_plan(family: str, config: dict, size: tuple[int, int, int]):
+    """(the runner's first attempt, the decoder, the latent shape, the planning budget)."""
+    decoder = served_on_meta(family, config)
+    weights = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    runner = Runner(Metrics(), budget=L4_BYTES - weights)  # the model resident on the card
+    shape = latent_shape(decoder, *size)
+    model = SimpleNamespace(active=decoder, compiled={})
+    attempt = runner._first_attempt(model, torch.empty(shape, device="meta"))
+    return attempt, decoder, shape, int((L4_BYTES - weights) * PLANNING_SHARE)
+
+
+@pytest.mark.parametrize(
+    ("family", "size", "config"),
+    [(f, s, c) for (f, s), c in UNTILED],
+    ids=[f"{f}-{'x'.join(map(str, s))}" for (f, s), _ in UNTILED],
+)
+def test_fits_untiled_else_tiled_that_fits(family, size, config) -> None:
+    attempt, decoder, shape, budget = first_plan(family, config, size)
+    whole = decoder.working_bytes(shape, 2)
+    if whole <= budget:
+        assert attempt.tiled is False, f"{family} {size} fits ({whole >> 20} MiB) but is tiled"
+    else:
+        assert decoder.supports_tiling and attempt.tiled is True
+        assert decoder.working_bytes(shape, 2, tiled=True) <= budget
+
+
+@pytest.mark.parametrize(
+    ("family", "config", "size"),
+    [
+        ("minimax-h3", MINIMAX_DEFAULTS, (209, 768, 1344)),
+        ("ltx", ltx2.DEFAULTS, (121, 704, 1216)),
+        ("wan", WAN_21, (81, 720, 1280)),
+        ("wan", WAN_21, (81, 480, 832)),
+    ],
+    ids=["minimax-h3-209x768x1344", "ltx2-121x704x1216", "wan-81x720x1280", "wan-81x480x832"],
+)
+def test_served_whole_on_an_l4(family, config, size) -> None:
+    attempt, *_ = first_plan(family, config, size)
+    assert attempt.tiled is False and attempt.label == "served"
