@@ -16,6 +16,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from app.gpu_stats import register_gpu_stats
+
 # No `*_created` series: nothing here reads them, and Managed Prometheus bills every series.
 disable_created_metrics()
 
@@ -135,6 +137,7 @@ class Metrics:
             registry=r,
         )
         r.register(DeviceMemory())
+        register_gpu_stats(r)  # NVML utilization + memory; nothing on a CPU host
 
     def observe_phases(self, model: str, device: str, phases: dict[str, float]) -> None:
         for phase, seconds in phases.items():
