@@ -359,6 +359,52 @@ def test_compose_parses_and_references_what_exists():
     assert home == f"{path}/vae.json"
 
 
+SIDECAR_SCRAPE_INTERVAL = "30s"  # run-gmp-sidecar's default (its confgenerator's scrape_interval)
+
+
+def test_grafana_for_cloud_run_reads_managed_prometheus():
+    """deploy/grafana/compose.cloudrun.yml: Google's Prometheus frontend + Grafana with the
+    Cloud Run provisioning (datasource uid vae-prometheus at the sidecar's interval)."""
+    base = DEPLOY / "grafana"
+    compose = yaml.load((base / "compose.cloudrun.yml").read_text(), Loader=_ComposeLoader)
+    services = compose["services"]
+    frontend, grafana = services["frontend"], services["grafana"]
+    assert "prometheus-engine/frontend" in frontend["image"]
+    assert any(a.startswith("--query.project-id=") for a in frontend["command"])
+    listen = next(a for a in frontend["command"] if a.startswith("--web.listen-address="))
+    mounts = {}
+    for volume in grafana["volumes"]:
+        source, target = volume.split(":")[:2]
+        assert (base / source).exists(), source
+        mounts[target] = base / source
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (ds,) = yaml.safe_load((provisioning / "datasources/managed-prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert ds["uid"] == "vae-prometheus" and ds["type"] == "prometheus"
+    assert ds["jsonData"]["timeInterval"] == SIDECAR_SCRAPE_INTERVAL
+    # the datasource URL is the env Grafana gets, which points at the frontend's port
+    assert ds["url"] == "${GMP_FRONTEND_URL}"
+    url = grafana["environment"]["GMP_FRONTEND_URL"]
+    assert url == f"http://frontend:{listen.rsplit(':', 1)[1]}"
+    provider = yaml.safe_load((provisioning / "dashboards/vae.yml").read_text())
+    assert (mounts[provider["providers"][0]["options"]["path"]] / "vae.json").is_file()
+    # the manifest leaves the sidecar's scrape interval at its default (no RunMonitoring config)
+    service = (DEPLOY / "cloudrun" / "service.yaml").read_text()
+    assert "RunMonitoring" not in service and "run-gmp-sidecar" in service
+    # the self-hosted datasource's interval is the vae job's scrape interval
+    (local,) = yaml.safe_load((base / "provisioning/datasources/prometheus.yml").read_text())[
+        "datasources"
+    ]
+    scrape = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())["scrape_configs"]
+    assert local["jsonData"]["timeInterval"] == next(
+        j["scrape_interval"] for j in scrape if j["job_name"] == "vae"
+    )
+    assert local["uid"] == ds["uid"]
+    readme = (DEPLOY / "README.md").read_text()
+    assert "compose.cloudrun.yml" in readme and "vae-prometheus" in readme
+
+
 def test_compose_cpu_override():
     override = _compose("docker-compose.cpu.yml")["services"]["vae"]
     assert override["environment"]["VAE_DEVICE"] == "cpu"
