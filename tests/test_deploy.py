@@ -390,8 +390,10 @@ def test_grafana_for_cloud_run_reads_managed_prometheus():
     provider = yaml.safe_load((provisioning / "dashboards/vae.yml").read_text())
     assert (mounts[provider["providers"][0]["options"]["path"]] / "vae.json").is_file()
     # the manifest leaves the sidecar's scrape interval at its default (no RunMonitoring config)
-    service = (DEPLOY / "cloudrun" / "service.yaml").read_text()
-    assert "RunMonitoring" not in service and "run-gmp-sidecar" in service
+    manifest = yaml.safe_load((DEPLOY / "cloudrun" / "service.yaml").read_text())
+    containers = manifest["spec"]["template"]["spec"]["containers"]
+    (collector,) = [c for c in containers if "run-gmp-sidecar" in c["image"]]
+    assert "volumeMounts" not in collector and "args" not in collector
     # the self-hosted datasource's interval is the vae job's scrape interval
     (local,) = yaml.safe_load((base / "provisioning/datasources/prometheus.yml").read_text())[
         "datasources"
