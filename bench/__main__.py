@@ -13,6 +13,7 @@ BENCHES = {
     "ltx2": "bench.ltx2",
     "minimax-h3": "bench.minimax_h3",
     "png": "bench.png",
+    "series": "bench.series",
     "taesd": "bench.taesd",
     "wan": "bench.wan",
 }

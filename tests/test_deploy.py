@@ -538,7 +538,8 @@ def test_dashboard_structure():
                 assert var in variables or var.startswith("__"), (panel["title"], var)
             metrics_used |= set(re.findall(r"\b(vae_\w+|up)\b", target["expr"]))
     # every exported metric has a panel
-    for name in ("vae_phase_seconds_bucket", "vae_request_seconds_bucket", "vae_requests_total",
+    for name in ("vae_phase_seconds_sum", "vae_span_seconds_bucket", "vae_request_seconds_bucket",
+                 "vae_requests_total",
                  "vae_response_bytes_bucket", "vae_queue_depth", "vae_inflight",
                  "vae_parity_cosine", "vae_fallback_active", "vae_model_load_seconds",
                  "vae_retries_total", "vae_device_memory_bytes",
@@ -560,8 +561,8 @@ def _stacked(panel: dict[str, Any]) -> bool:
 
 def test_dashboard_shows_each_model_s_phases_right():
     """A row repeated per model: mean time per request of each phase stacked (divided by the
-    request count, not each phase's own), phase p50/p95/p99 unstacked, queue wait, fallback
-    and parity; and nowhere a stacked quantile (a stacked p95 is no p95)."""
+    request count, not each phase's own), p50/p95/p99 of the queue/decode/encode spans
+    unstacked, queue wait, fallback and parity; and nowhere a stacked quantile."""
     dashboard = json.loads(DASHBOARD.read_text())
     rows = [p for p in dashboard["panels"] if p["type"] == "row"]
     assert rows[0].get("repeat") == "model", "the first row repeats per model"
@@ -581,8 +582,8 @@ def test_dashboard_shows_each_model_s_phases_right():
     assert "vae_request_seconds_count" in denominator and "vae_phase_seconds" not in denominator
     text = json.dumps(exprs)
     for quantile in ("0.5", "0.95", "0.99"):
-        assert f"histogram_quantile({quantile}, sum by (phase, le)" in text, quantile
-    for needle in ('phase=\\"queue\\"', "vae_fallback_active", "vae_parity_cosine"):
+        assert f"histogram_quantile({quantile}, sum by (span, le)" in text, quantile
+    for needle in ('span=\\"queue\\"', "vae_fallback_active", "vae_parity_cosine"):
         assert needle in text, needle
 
 
