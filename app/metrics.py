@@ -38,7 +38,7 @@ OUTPUT_KIND = {"png": "image", "jpg": "image", "webp": "image", "tensor": "tenso
 
 
 def output_kind(output: str) -> str:
-    """ "png" -> "image", "uint8" -> "tensor", "-" (none chosen) -> "-"."""
+    """An output label's kind: png -> image, uint8 -> tensor, - (none chosen) -> -."""
     return OUTPUT_KIND.get(output, "-")
 
 
