@@ -262,7 +262,9 @@ def _promtool() -> str:
     ["check", "rules", "alerts.yml"],
     ["check", "rules", "alerts-cloudrun.yml"],
     ["test", "rules", "alerts_test.yml"],
-], ids=["check-config", "check-rules", "check-rules-cloudrun", "rule-unit-tests"])  # fmt: skip
+    ["test", "rules", "alerts-cloudrun_test.yml"],
+], ids=["check-config", "check-rules", "check-rules-cloudrun", "rule-unit-tests",
+        "rule-unit-tests-cloudrun"])  # fmt: skip
 def test_promtool(args):
     result = _run([_promtool(), *args], cwd=PROM_DIR)
     assert result.returncode == 0, result.stdout + result.stderr
