@@ -22,8 +22,8 @@ WIRE_NAME = {
 
 
 def encode_image(frame: Tensor, fmt: str, quality: int = 90) -> bytes:
-    """One uint8 image [H,W,3] -> encoded bytes: PNG on all cores (app/png.py), JPEG and
-    WebP with Pillow."""
+    """One uint8 image [H,W,3] -> encoded bytes: PNG with fpng or Pillow (app/png.py), JPEG
+    and WebP with Pillow."""
     pixels = frame.contiguous().numpy()
     if fmt == "png":
         return encode_png(pixels)

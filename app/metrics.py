@@ -10,37 +10,49 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Summary,
     disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from app.gpu_stats import register_gpu_stats
+
 # No `*_created` series: nothing here reads them, and Managed Prometheus bills every series.
 disable_created_metrics()
 
-PHASE_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    25,
-    60,
-    120,
-)
-# whole requests may run VAE_MAX_REQUEST_TIMEOUT_S (300 s) in the queue plus a long video decode
-REQUEST_BUCKETS = (*PHASE_BUCKETS, 180, 300, 600)
-SIZE_BUCKETS = tuple(2**k for k in range(10, 31, 2))
+# Buckets are few on purpose: Managed Prometheus bills every series, and each bucket is one per
+# label set. Series per replica and model: docs/metrics.md, "Series per replica".
+# queue wait, device decode and encode of a request: 1 ms .. 1 min
+SPAN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 60)
+# whole requests: the queue (VAE_MAX_REQUEST_TIMEOUT_S) plus the longest admitted decode, up to
+# Cloud Run's request timeout (deploy/cloudrun/service.yaml: 3600 s)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60, 600, 3600)
+SIZE_BUCKETS = tuple(4**k for k in range(7, 16))  # 16 KiB .. 1 GiB
+# phases that are not the device's decode work (everything else is: upload .. download)
+NOT_DECODE = frozenset({"parse", "queue", "encode"})
+# an output's kind, the label of the per-request histograms (7 outputs -> 3 kinds)
+OUTPUT_KIND = {"png": "image", "jpg": "image", "webp": "image", "tensor": "tensor",
+               "uint8": "tensor", "unit_tensor": "tensor", "mp4": "mp4"}  # fmt: skip
+
+
+def output_kind(output: str) -> str:
+    """An output label's kind: png -> image, uint8 -> tensor, - (none chosen) -> -."""
+    return OUTPUT_KIND.get(output, "-")
+
+
+class ByKind:
+    """A histogram labelled ``(model, kind, ...)`` that callers label with the output, as they
+    do the counter: ``labels(model, "png", ...)`` observes ``kind="image"``."""
+
+    def __init__(self, histogram: Histogram) -> None:
+        self.histogram = histogram
+
+    def labels(self, model: str, output: str, *rest: str) -> Histogram:
+        return self.histogram.labels(model, output_kind(output), *rest)
+
+
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
@@ -85,29 +97,40 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.phase_seconds = Histogram(
+        # every phase's total and count (no buckets): the mean time a phase adds to a request
+        self.phase_seconds = Summary(
             "vae_phase_seconds",
-            "Seconds per request phase",
+            "Seconds per request phase (sum and count; quantiles: vae_span_seconds)",
             ["model", "phase", "device"],
-            buckets=PHASE_BUCKETS,
             registry=r,
         )
-        self.request_seconds = Histogram(
-            "vae_request_seconds",
-            "Seconds per decode request, end to end, every outcome",
-            ["model", "output", "code_class"],
-            buckets=REQUEST_BUCKETS,
+        self.span_seconds = Histogram(
+            "vae_span_seconds",
+            "Seconds a successful request spent queued, decoding on the device, encoding",
+            ["model", "span"],
+            buckets=SPAN_BUCKETS,
             registry=r,
+        )
+        self.request_seconds = ByKind(
+            Histogram(
+                "vae_request_seconds",
+                "Seconds per decode request, end to end, every outcome",
+                ["model", "kind", "code_class"],
+                buckets=REQUEST_BUCKETS,
+                registry=r,
+            )
         )
         self.requests_total = Counter(
             "vae_requests", "Decode requests by outcome", ["model", "output", "code"], registry=r
         )
-        self.response_bytes = Histogram(
-            "vae_response_bytes",
-            "Response body bytes",
-            ["model", "output"],
-            buckets=SIZE_BUCKETS,
-            registry=r,
+        self.response_bytes = ByKind(
+            Histogram(
+                "vae_response_bytes",
+                "Response body bytes",
+                ["model", "kind"],
+                buckets=SIZE_BUCKETS,
+                registry=r,
+            )
         )
         self.queue_depth = Gauge("vae_queue_depth", "Requests waiting for a worker", registry=r)
         self.inflight = Gauge("vae_inflight", "Requests being decoded", registry=r)
@@ -143,10 +166,17 @@ class Metrics:
             registry=r,
         )
         r.register(DeviceMemory())
+        register_gpu_stats(r)  # NVML utilization + memory; nothing on a CPU host
 
     def observe_phases(self, model: str, device: str, phases: dict[str, float]) -> None:
+        """A successful request's phases: each phase's total, and the three spans' quantiles."""
         for phase, seconds in phases.items():
             self.phase_seconds.labels(model, phase, device).observe(seconds)
+        decode = sum(s for phase, s in phases.items() if phase not in NOT_DECODE)
+        self.span_seconds.labels(model, "decode").observe(decode)
+        for span in ("queue", "encode"):
+            if span in phases:
+                self.span_seconds.labels(model, span).observe(phases[span])
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,6 +12,8 @@ BENCHES = {
     "ltx": "bench.ltx",
     "ltx2": "bench.ltx2",
     "minimax-h3": "bench.minimax_h3",
+    "png": "bench.png",
+    "series": "bench.series",
     "taesd": "bench.taesd",
     "wan": "bench.wan",
 }

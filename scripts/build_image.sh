@@ -177,7 +177,7 @@ try:
     assert status == 200 and data, (status, headers)
     assert "Server-Timing" in headers or "server-timing" in headers, headers
     metrics = get("/metrics")[2].decode()
-    assert "vae_phase_seconds_bucket" in metrics and "vae_requests_total" in metrics
+    assert "vae_span_seconds_bucket" in metrics and "vae_requests_total" in metrics
     print(f"smoke: {model['name']} on {model['device']}/{model['dtype']}: {len(data)} bytes, "
           f"Server-Timing {headers.get('Server-Timing') or headers.get('server-timing')}")
 finally:

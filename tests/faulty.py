@@ -80,7 +80,6 @@ class Decoder(VAEDecoder):
     family = FAMILY
     output_space = "signed"
     supports_tiling = True  # the runner's OOM retry decodes tiled before anything else
-    working_values_per_pixel = 16  # a 1x1 conv and an upsample: its output and little else
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
@@ -91,6 +90,11 @@ class Decoder(VAEDecoder):
     @property
     def latent_channels(self) -> int:
         return int(self.config["latent_channels"])
+
+    def working_bytes(self, latent_shape, element_size, tiled=False) -> int:
+        # a 1x1 conv and an upsample: its output and little else, 16 values per output pixel
+        return 16 * self.output_values(latent_shape) // 3 * element_size
+
 
     @property
     def spatial_scale(self) -> int:

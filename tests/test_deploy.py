@@ -42,6 +42,10 @@ DEPLOY = ROOT / "deploy"
 PROM_DIR = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "vae.json"
 INSTALL_HINT = "install it with `bash scripts/install_ci_deps.sh` (CI does)"
+NVML_METRICS = ("vae_device_utilization_ratio", "vae_gpu_memory_bytes")  # absent without a GPU
+# panels drawn per replica: by the self-hosted `instance` and the sidecar's `instanceId`
+PER_REPLICA = ("Queue depth and in-flight", "Device memory",
+               "GPU utilization (NVML, from the service)")  # fmt: skip
 
 
 def _tool(name: str) -> str | None:
@@ -256,8 +260,11 @@ def _promtool() -> str:
 @pytest.mark.parametrize("args", [
     ["check", "config", "prometheus.yml"],
     ["check", "rules", "alerts.yml"],
+    ["check", "rules", "alerts-cloudrun.yml"],
     ["test", "rules", "alerts_test.yml"],
-], ids=["check-config", "check-rules", "rule-unit-tests"])  # fmt: skip
+    ["test", "rules", "alerts-cloudrun_test.yml"],
+], ids=["check-config", "check-rules", "check-rules-cloudrun", "rule-unit-tests",
+        "rule-unit-tests-cloudrun"])  # fmt: skip
 def test_promtool(args):
     result = _run([_promtool(), *args], cwd=PROM_DIR)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -354,6 +361,54 @@ def test_compose_parses_and_references_what_exists():
     assert home == f"{path}/vae.json"
 
 
+SIDECAR_SCRAPE_INTERVAL = "30s"  # run-gmp-sidecar's default (its confgenerator's scrape_interval)
+
+
+def test_grafana_for_cloud_run_reads_managed_prometheus():
+    """deploy/grafana/compose.cloudrun.yml: Google's Prometheus frontend + Grafana with the
+    Cloud Run provisioning (datasource uid vae-prometheus at the sidecar's interval)."""
+    base = DEPLOY / "grafana"
+    compose = yaml.load((base / "compose.cloudrun.yml").read_text(), Loader=_ComposeLoader)
+    services = compose["services"]
+    frontend, grafana = services["frontend"], services["grafana"]
+    assert "prometheus-engine/frontend" in frontend["image"]
+    assert any(a.startswith("--query.project-id=") for a in frontend["command"])
+    listen = next(a for a in frontend["command"] if a.startswith("--web.listen-address="))
+    mounts = {}
+    for volume in grafana["volumes"]:
+        source, target = volume.split(":")[:2]
+        assert (base / source).exists(), source
+        mounts[target] = base / source
+    provisioning = mounts["/etc/grafana/provisioning"]
+    (ds,) = yaml.safe_load((provisioning / "datasources/managed-prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert ds["uid"] == "vae-prometheus" and ds["type"] == "prometheus"
+    assert ds["jsonData"]["timeInterval"] == SIDECAR_SCRAPE_INTERVAL
+    # the datasource URL is the env Grafana gets, which points at the frontend's port
+    assert ds["url"] == "${GMP_FRONTEND_URL}"
+    url = grafana["environment"]["GMP_FRONTEND_URL"]
+    assert url == f"http://frontend:{listen.rsplit(':', 1)[1]}"
+    provider = yaml.safe_load((provisioning / "dashboards/vae.yml").read_text())
+    assert (mounts[provider["providers"][0]["options"]["path"]] / "vae.json").is_file()
+    # the manifest leaves the sidecar's scrape interval at its default (no RunMonitoring config)
+    manifest = yaml.safe_load((DEPLOY / "cloudrun" / "service.yaml").read_text())
+    containers = manifest["spec"]["template"]["spec"]["containers"]
+    (collector,) = [c for c in containers if "run-gmp-sidecar" in c["image"]]
+    assert "volumeMounts" not in collector and "args" not in collector
+    # the self-hosted datasource's interval is the vae job's scrape interval
+    (local,) = yaml.safe_load((base / "provisioning/datasources/prometheus.yml").read_text())[
+        "datasources"
+    ]
+    scrape = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())["scrape_configs"]
+    assert local["jsonData"]["timeInterval"] == next(
+        j["scrape_interval"] for j in scrape if j["job_name"] == "vae"
+    )
+    assert local["uid"] == ds["uid"]
+    readme = (DEPLOY / "README.md").read_text()
+    assert "compose.cloudrun.yml" in readme and "vae-prometheus" in readme
+
+
 def test_compose_cpu_override():
     override = _compose("docker-compose.cpu.yml")["services"]["vae"]
     assert override["environment"]["VAE_DEVICE"] == "cpu"
@@ -388,7 +443,8 @@ def test_cloud_run_service_for_one_l4():
     assert spec["containerConcurrency"] == int(env["VAE_QUEUE_DEPTH"])
     assert notes["run.googleapis.com/cpu-throttling"] == "false"
     assert notes["run.googleapis.com/startup-cpu-boost"] == "true"
-    assert int(notes["autoscaling.knative.dev/minScale"]) >= 1
+    # scale to zero is the documented choice (deploy/README.md): no L4 billed while idle
+    assert int(notes["autoscaling.knative.dev/minScale"]) == 0
     assert notes["run.googleapis.com/gpu-zonal-redundancy-disabled"] in ("true", "false")
     startup, liveness = vae["startupProbe"], vae["livenessProbe"]
     assert startup["httpGet"]["path"] == "/readyz" and liveness["httpGet"]["path"] == "/healthz"
@@ -412,6 +468,28 @@ def test_cloud_run_service_for_one_l4():
         "scripts/build_image.sh",
     ):
         assert command in readme, command
+
+
+def test_request_timeout_covers_queue_wait_plus_longest_decode():
+    """Cloud Run cuts a request at timeoutSeconds: it must outlast the longest queue wait
+    (VAE_MAX_REQUEST_TIMEOUT_S, the deadline cap) plus the longest decode the limits admit,
+    as deploy/README.md states it, and stay within Cloud Run's 3600 s."""
+    from app.config import Settings
+
+    service = yaml.safe_load((DEPLOY / "cloudrun" / "service.yaml").read_text())
+    spec = service["spec"]["template"]["spec"]
+    vae = next(c for c in spec["containers"] if c.get("ports"))
+    env = {e["name"]: e["value"] for e in vae["env"]}
+    queue_cap = float(env.get("VAE_MAX_REQUEST_TIMEOUT_S", Settings().max_request_timeout_s))
+    readme = (DEPLOY / "README.md").read_text()
+    (decode,) = re.findall(r"Longest admitted decode: \*\*(\d+) s\*\*", readme)
+    assert spec["timeoutSeconds"] >= queue_cap + float(decode), (spec["timeoutSeconds"], env)
+    assert spec["timeoutSeconds"] <= 3600
+    # the docs' estimate is about the limits the manifest runs with (the defaults)
+    for name in ("VAE_MAX_FRAMES", "VAE_MAX_PIXELS"):
+        assert name not in env, f"{name} changed: re-derive the longest decode in the README"
+    assert "257 frames" in readme and "2048x2048" in readme
+    assert Settings().max_frames == 257 and Settings().max_pixels == 2048 * 2048
 
 
 # --- Grafana dashboard -------------------------------------------------------------------------
@@ -439,22 +517,41 @@ def test_dashboard_structure():
     panels = _panels(dashboard)
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
-    variables = {v["name"] for v in dashboard["templating"]["list"]}
-    assert {"model", "job"} <= variables
+    templating = {v["name"]: v for v in dashboard["templating"]["list"]}
+    variables = set(templating)
+    assert {"model", "job", "service", "datasource"} <= variables
+    # the datasource is a variable whose default is the provisioned uid (another Grafana picks
+    # its own Prometheus datasource there); on a self-hosted Prometheus there is no
+    # service_name label, and All (.*) matches its absence
+    assert templating["datasource"]["type"] == "datasource"
+    assert templating["datasource"]["current"]["value"] == uid
+    assert templating["service"]["includeAll"] and templating["service"]["allValue"] == ".*"
     metrics_used = set()
     for panel in panels:
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
-            assert target["datasource"]["uid"] == uid, panel["title"]
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+            if re.search(r"\b(vae_\w+|up)\{", target["expr"]):
+                assert 'service_name=~"$service"' in target["expr"], panel["title"]
+            assert "or on() vector(0)" not in target["expr"] or "retries" in target["expr"], (
+                panel["title"], "a made-up zero")  # fmt: skip
+            assert "DCGM" not in target["expr"], panel["title"]
             for var in re.findall(r"\$(\w+)", target["expr"]):
                 assert var in variables or var.startswith("__"), (panel["title"], var)
             metrics_used |= set(re.findall(r"\b(vae_\w+|up)\b", target["expr"]))
     # every exported metric has a panel
-    for name in ("vae_phase_seconds_bucket", "vae_request_seconds_bucket", "vae_requests_total",
+    for name in ("vae_phase_seconds_sum", "vae_span_seconds_bucket", "vae_request_seconds_bucket",
+                 "vae_requests_total",
                  "vae_response_bytes_bucket", "vae_queue_depth", "vae_inflight",
                  "vae_parity_cosine", "vae_fallback_active", "vae_model_load_seconds",
-                 "vae_retries_total", "vae_device_memory_bytes"):  # fmt: skip
+                 "vae_retries_total", "vae_device_memory_bytes",
+                 "vae_device_utilization_ratio", "vae_gpu_memory_bytes"):  # fmt: skip
         assert name in metrics_used, name
+    per_replica = [p for p in panels if p["title"] in PER_REPLICA]
+    assert len(per_replica) == len(PER_REPLICA)
+    for panel in per_replica:
+        for target in panel["targets"]:
+            assert "by (instance, instanceId" in target["expr"], panel["title"]
     # the model variable templates the panels that have a model label
     assert sum('model=~"$model' in t["expr"] for p in panels for t in p["targets"]) >= 10
 
@@ -466,8 +563,8 @@ def _stacked(panel: dict[str, Any]) -> bool:
 
 def test_dashboard_shows_each_model_s_phases_right():
     """A row repeated per model: mean time per request of each phase stacked (divided by the
-    request count, not each phase's own), phase p50/p95/p99 unstacked, queue wait, fallback
-    and parity; and nowhere a stacked quantile (a stacked p95 is no p95)."""
+    request count, not each phase's own), p50/p95/p99 of the queue/decode/encode spans
+    unstacked, queue wait, fallback and parity; and nowhere a stacked quantile."""
     dashboard = json.loads(DASHBOARD.read_text())
     rows = [p for p in dashboard["panels"] if p["type"] == "row"]
     assert rows[0].get("repeat") == "model", "the first row repeats per model"
@@ -487,8 +584,8 @@ def test_dashboard_shows_each_model_s_phases_right():
     assert "vae_request_seconds_count" in denominator and "vae_phase_seconds" not in denominator
     text = json.dumps(exprs)
     for quantile in ("0.5", "0.95", "0.99"):
-        assert f"histogram_quantile({quantile}, sum by (phase, le)" in text, quantile
-    for needle in ('phase=\\"queue\\"', "vae_fallback_active", "vae_parity_cosine"):
+        assert f"histogram_quantile({quantile}, sum by (span, le)" in text, quantile
+    for needle in ('span=\\"queue\\"', "vae_fallback_active", "vae_parity_cosine"):
         assert needle in text, needle
 
 
@@ -546,28 +643,52 @@ class _Prometheus:
             time.sleep(0.25)
 
 
-LIVE_JOB = "vae-render-managed"  # not the self-hosted "vae": the alerts must follow it
+SELF_HOSTED = {"job": "vae", "service": ".*", "replica": "instance"}
+CLOUD_RUN = {"job": "run-gmp-sidecar", "service": "vae-render", "replica": "instanceId"}
+
+
+def _sidecar_job(name: str, target: str, service: str, replica: str) -> dict[str, Any]:
+    """A scrape job that labels its series as Cloud Run's run-gmp-sidecar does (its
+    confgenerator): the same job and instance on every replica and service, the replica in
+    instanceId, the service in service_name/namespace."""
+    labels = {"job": "run-gmp-sidecar", "instance": "8080", "service_name": service,
+              "namespace": service, "cluster": "__run__", "revision_name": f"{service}-00001",
+              "instanceId": replica}  # fmt: skip
+    return {
+        "job_name": name,
+        "scrape_interval": "1s",
+        "scrape_timeout": "1s",
+        "static_configs": [{"targets": [target]}],
+        "relabel_configs": [
+            {"target_label": k, "replacement": v, "action": "replace"} for k, v in labels.items()
+        ],
+    }
 
 
 @pytest.fixture
 def prometheus(flux_server, tmp_path):
-    """A real Prometheus on loopback, scraping the live service every second with the
-    project's own scrape config and alert rules."""
+    """A real Prometheus on loopback scraping the live service every second under both label
+    sets: the self-hosted job `vae` (two targets = two replicas by `instance`), and the Managed
+    Prometheus sidecar's labels (two replicas of vae-render by `instanceId`, plus a replica of
+    another Cloud Run service behind the same sidecar job, which the queries must leave out).
+    It loads both rule files: alerts.yml and alerts-cloudrun.yml."""
     binary = _tool("prometheus")
     if binary is None:
         pytest.skip(f"the prometheus server (Debian package prometheus) is absent: {INSTALL_HINT}")
     config = yaml.safe_load((PROM_DIR / "prometheus.yml").read_text())
     config["global"].update(scrape_interval="1s", evaluation_interval="1s")
-    # scraped under another job name, as under Managed Prometheus: the rules are rendered for it
-    rendered = tmp_path / "alerts.yml"
-    done = _run([sys.executable, "scripts/render_alerts.py", "--job", LIVE_JOB, "-o",
-                 str(rendered)], cwd=ROOT)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    config["rule_files"] = [str(rendered)]
+    config["rule_files"] = [str(PROM_DIR / "alerts.yml"), str(PROM_DIR / "alerts-cloudrun.yml")]
+    address = flux_server.removeprefix("http://")
+    port_of_service = address.rsplit(":", 1)[1]
     job = next(j for j in config["scrape_configs"] if j["job_name"] == "vae")
-    job.update(scrape_interval="1s", scrape_timeout="1s", job_name=LIVE_JOB)
-    job["static_configs"][0]["targets"] = [flux_server.removeprefix("http://")]
-    config["scrape_configs"] = [job]
+    job.update(scrape_interval="1s", scrape_timeout="1s")
+    job["static_configs"][0]["targets"] = [address, f"localhost:{port_of_service}"]
+    config["scrape_configs"] = [
+        job,
+        _sidecar_job("gmp-a", address, "vae-render", "replica-a"),
+        _sidecar_job("gmp-b", address, "vae-render", "replica-b"),
+        _sidecar_job("gmp-other", address, "other-service", "replica-c"),
+    ]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = _free_port()
     log = (tmp_path / "prometheus.log").open("w")
@@ -597,9 +718,55 @@ def prometheus(flux_server, tmp_path):
         log.close()
 
 
+def _scope(variant: dict[str, str]) -> str:
+    return f'job=~"{variant["job"]}", service_name=~"{variant["service"]}"'
+
+
+def _replicas(result: list[dict[str, Any]], variant: dict[str, str]) -> set[str]:
+    """The replicas a query's series come from, by the variant's replica label."""
+    return {r["metric"].get(variant["replica"], "") for r in result}
+
+
+def _without_threshold(expr: str) -> str:
+    """An alert expression without its final comparison: the series it compares."""
+    body = re.sub(r"\s*(>|<|==)\s*[0-9.]+\s*$", "", expr.strip())
+    assert body != expr.strip(), expr
+    return body
+
+
+def _alerts_for(variant: dict[str, str]) -> list[dict[str, Any]]:
+    name = "alerts.yml" if variant is SELF_HOSTED else "alerts-cloudrun.yml"
+    groups = yaml.safe_load((PROM_DIR / name).read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def test_cloud_run_rules_are_rendered_from_alerts_yml():
+    spec = importlib.util.spec_from_file_location(
+        "render_alerts", ROOT / "scripts/render_alerts.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    render = module.render
+    text = render((PROM_DIR / "alerts.yml").read_text(), service="vae-render")
+    assert (PROM_DIR / "alerts-cloudrun.yml").read_text() == text, (
+        "alerts-cloudrun.yml is stale: python scripts/render_alerts.py --cloud-run vae-render "
+        "-o deploy/prometheus/alerts-cloudrun.yml"
+    )
+    for rule in _alerts_for(CLOUD_RUN):
+        for selector in re.findall(r"\b(?:vae_\w+|up)\{([^}]*)\}", rule["expr"]):
+            assert 'job="run-gmp-sidecar", service_name="vae-render"' in selector, rule["alert"]
+    # another self-hosted job name: every selector follows it, the comments stay
+    other = render((PROM_DIR / "alerts.yml").read_text(), job="elsewhere")
+    exprs = [r["expr"] for g in yaml.safe_load(other)["groups"] for r in g["rules"]]
+    assert all('job="elsewhere"' in e and 'job="vae"' not in e for e in exprs)
+
+
 def test_every_panel_and_alert_against_a_live_prometheus(flux_server, prometheus):
     prom = prometheus
-    prom.wait("the first scrape", lambda: prom.value(f'up{{job="{LIVE_JOB}"}}') == 1)
+    expected_up = {"vae": 2, "run-gmp-sidecar": 3}
+    for job, n in expected_up.items():
+        prom.wait(f"the first scrapes of {job}",
+                  lambda j=job, n=n: prom.value(f'sum(up{{job="{j}"}})') == n)  # fmt: skip
 
     def traffic() -> None:
         for model, channels in (("flux-tiny", 16), ("sd-tiny", 4)):
@@ -609,52 +776,94 @@ def test_every_panel_and_alert_against_a_live_prometheus(flux_server, prometheus
         assert _decode(flux_server, "no-such-model", [1, 16, 4, 4]).status_code == 404
 
     # Two waves with scrapes between: every series exists before the second wave increments
-    # it, so rate() and histogram_quantile() have real increases to work with.
+    # it, so rate() and histogram_quantile() have real increases to work with. Each of the
+    # five scrape targets is the same service, so each counts every request once.
+    wave_1_scraped = time.monotonic()
     for wave in (1, 2):
+        if wave == 2:
+            time.sleep(1.5)  # a scrape between the end of wave 1 and wave 2
+            wave_1_scraped = time.monotonic() - 1.0
         traffic()
         served = _requests_total(flux_server)
-        prom.wait(f"wave {wave} scraped", lambda n=served: prom.value(
-            f'sum(vae_requests_total{{job="{LIVE_JOB}"}})') == n)  # fmt: skip
+        for target in ('job="vae", instance=~"127.*"', 'instanceId="replica-a"',
+                       'instanceId="replica-b"', 'instanceId="replica-c"'):  # fmt: skip
+            prom.wait(f"wave {wave} scraped by {target}", lambda n=served, t=target: prom.value(
+                f"sum(vae_requests_total{{{t}}})") == n)  # fmt: skip
     time.sleep(2.5)  # two more scrapes after the last request
+    # rate() windows that see wave 2 only: every series then exists for the whole window, so
+    # rate()'s extrapolation is the same for all (a series born inside it skews its ratio)
+    window = f"{math.ceil(time.monotonic() - wave_1_scraped)}s"
 
     dashboard = json.loads(DASHBOARD.read_text())
-    # the template variables' own queries
     jobs = prom.api("label/job/values", **{"match[]": "vae_queue_depth"})
+    assert set(jobs) == {"vae", "run-gmp-sidecar"}
+    services = prom.api("label/service_name/values",
+                        **{"match[]": 'vae_queue_depth{job=~"run-gmp-sidecar"}'})  # fmt: skip
+    assert set(services) == {"vae-render", "other-service"}
+    for variant in (SELF_HOSTED, CLOUD_RUN):
+        _check_dashboard(prom, dashboard, variant, window)
+        _check_alert_series(prom, variant)
+
+    # ...and Prometheus loaded and evaluated every rule of both files without error
+    count = len(_alerts_for(SELF_HOSTED)) + len(_alerts_for(CLOUD_RUN))
+
+    def evaluated() -> bool:
+        rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
+        return len(rules) == count and all(r["health"] == "ok" for r in rules)
+
+    prom.wait("every alert rule evaluated", evaluated, timeout=15)
+    # healthy replicas with traffic: no alert is firing
+    firing = [a for a in prom.api("alerts")["alerts"] if a["state"] == "firing"]
+    assert not firing, firing
+
+
+def _check_dashboard(
+    prom: _Prometheus, dashboard: dict[str, Any], variant: dict[str, str], window: str
+) -> None:
+    """Every panel query under one label set: data (NaN-free somewhere), per-replica panels
+    one series per replica of this service (not one collapsed series, not other services')."""
+    name = variant["job"]
     models = prom.api("label/model/values",
-                      **{"match[]": f'vae_model_load_seconds{{job=~"{LIVE_JOB}"}}'})  # fmt: skip
-    assert jobs == [LIVE_JOB] and {"flux-tiny", "sd-tiny", "flux2-tiny"} <= set(models)
+                      **{"match[]": f"vae_model_load_seconds{{{_scope(variant)}}}"})  # fmt: skip
+    assert {"flux-tiny", "sd-tiny", "flux2-tiny"} <= set(models), (name, models)
     choices = {"one model": "flux-tiny", "All": "(" + "|".join(models) + ")"}
     empty, all_nan = [], []
     for label, model in choices.items():
-        variables = {"job": LIVE_JOB, "model": model, "__rate_interval": "1m",
-                     "__interval": "5s", "__range": "5m"}  # fmt: skip
+        variables = {"job": variant["job"], "service": variant["service"], "model": model,
+                     "__rate_interval": "1m", "__interval": "5s", "__range": "5m"}  # fmt: skip
         for panel in _panels(dashboard):
             values = []
             for target in panel["targets"]:
                 expr = _substitute(target["expr"], variables)
                 result = prom.query(expr)
-                if not result:
-                    empty.append(f"[{label}] {panel['title']}: {expr}")
+                if not result and not any(m in expr for m in NVML_METRICS):
+                    empty.append(f"[{name} {label}] {panel['title']}: {expr}")
                 values += [float(r["value"][1]) for r in result]
+                if panel["title"] in PER_REPLICA and result:
+                    replicas = _replicas(result, variant)
+                    assert len(replicas) == 2, (name, panel["title"], replicas)
             if values and not any(math.isfinite(v) for v in values):
-                all_nan.append(f"[{label}] {panel['title']}")
+                all_nan.append(f"[{name} {label}] {panel['title']}")
     assert not empty, "panel queries with no data:\n" + "\n".join(empty)
     assert not all_nan, "panels with only NaN:\n" + "\n".join(all_nan)
+    (replicas_panel,) = [p for p in _panels(dashboard) if p["title"] == "Replicas scraped"]
+    variables = {"job": variant["job"], "service": variant["service"]}
+    assert prom.value(_substitute(replicas_panel["targets"][0]["expr"], variables)) == 2, name
 
     # the stacked phase means add up to no more than the mean successful request (phases are
     # parts of it), and are not each phase's own mean (whose sum could exceed it)
-    sel = f'job="{LIVE_JOB}", model="flux-tiny"'
+    sel = f'{_scope(variant)}, model="flux-tiny"'
     (mean_panel,) = [p for p in _panels(dashboard) if _stacked(p)]
-    variables = {"job": LIVE_JOB, "model": "flux-tiny", "__rate_interval": "5m"}
+    variables = {**variables, "model": "flux-tiny", "__rate_interval": window}
     stack = sum(float(r["value"][1]) for r in
                 prom.query(_substitute(mean_panel["targets"][0]["expr"], variables)))  # fmt: skip
     mean_request = prom.value(
-        f'sum(rate(vae_request_seconds_sum{{{sel}, code_class="2xx"}}[5m]))'
-        f' / sum(rate(vae_request_seconds_count{{{sel}, code_class="2xx"}}[5m]))'
+        f'sum(rate(vae_request_seconds_sum{{{sel}, code_class="2xx"}}[{window}]))'
+        f' / sum(rate(vae_request_seconds_count{{{sel}, code_class="2xx"}}[{window}]))'
     )
-    # rate() extrapolates each series from its own first and last samples, and a series born
-    # between scrapes skews that: compare loosely here, exactly on the raw counters below
-    assert 0 < stack <= mean_request * 1.25, (stack, mean_request)
+    # rate() extrapolates each series from its own samples at the window's edges: compare
+    # loosely here, exactly on the raw counters below
+    assert 0 < stack <= mean_request * 1.25, (name, stack, mean_request)
     raw_stack = prom.value(
         f"sum(vae_phase_seconds_sum{{{sel}}}) / "
         f'sum(vae_request_seconds_count{{{sel}, code_class="2xx"}})'
@@ -663,24 +872,27 @@ def test_every_panel_and_alert_against_a_live_prometheus(flux_server, prometheus
         f'sum(vae_request_seconds_sum{{{sel}, code_class="2xx"}})'
         f' / sum(vae_request_seconds_count{{{sel}, code_class="2xx"}})'
     )
-    assert 0 < raw_stack <= raw_mean * 1.001, (raw_stack, raw_mean)
+    assert 0 < raw_stack <= raw_mean * 1.001, (name, raw_stack, raw_mean)
     # the device gauge and the 4xx latency were scraped too
-    assert prom.value(f'vae_device_memory_bytes{{job="{LIVE_JOB}", kind="allocated"}}') > 0
-    assert prom.value(f'sum(vae_request_seconds_count{{job="{LIVE_JOB}", code_class="4xx"}})') > 0
+    scope = _scope(variant)
+    assert prom.value(f'max(vae_device_memory_bytes{{{scope}, kind="allocated"}})') > 0
+    assert prom.value(f'sum(vae_request_seconds_count{{{scope}, code_class="4xx"}})') > 0
 
-    # every alert expression evaluates (the query API answers success)...
-    for rule in _alert_rules():
-        prom.query(rule["expr"].replace('job="vae"', f'job="{LIVE_JOB}"'))
 
-    # ...and Prometheus loaded and evaluated every rule without error
-    def evaluated() -> bool:
-        rules = [r for g in prom.api("rules")["groups"] for r in g["rules"]]
-        return len(rules) == len(_alert_rules()) and all(r["health"] == "ok" for r in rules)
-
-    prom.wait("every alert rule evaluated", evaluated, timeout=15)
-    # a healthy replica with traffic: no alert is firing
-    firing = [a for a in prom.api("alerts")["alerts"] if a["state"] == "firing"]
-    assert not firing, firing
+def _check_alert_series(prom: _Prometheus, variant: dict[str, str]) -> None:
+    """Each alert's compared series under one label set: the replicas are this service's (2,
+    not the sidecar job's 3), one series per replica for the per-replica rules."""
+    rules = {rule["alert"]: rule["expr"] for rule in _alerts_for(variant)}
+    for expr in rules.values():
+        prom.query(expr)  # evaluates (the query API answers success)
+    up = prom.query(_without_threshold(rules["VaeTargetDown"]))
+    assert len(_replicas(up, variant)) == len(up) == 2, (variant["job"], up)
+    queue = prom.query(_without_threshold(rules["VaeQueueSaturated"]))
+    assert len(_replicas(queue, variant)) == 2, (variant["job"], queue)
+    # every target counts each request once: the scope sees this service's two replicas
+    single = prom.value('sum(vae_requests_total{instanceId="replica-a"})')
+    total = prom.value(f"sum(vae_requests_total{{{_scope(variant)}}})")
+    assert total == 2 * single, (variant["job"], total, single)
 
 
 # --- structured logs ----------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""The parallel PNG encoder: any reader decodes it to exactly the pixels given."""
+"""PNG encoding (app/png.py): exact round trip on every backend, and the fallback to Pillow
+when fpng's wheel is missing."""
 
 from __future__ import annotations
 
+import builtins
 import io
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -13,24 +13,59 @@ from PIL import Image
 from app import png
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (17, 33), (512, 640), (1024, 1024)])
-def test_png_round_trips_through_pillow(shape):
+def _image(shape: tuple[int, int]) -> np.ndarray:
     rgb = np.random.default_rng(sum(shape)).integers(0, 256, (*shape, 3), dtype=np.uint8)
-    rgb[: shape[0] // 2] //= 16  # a smooth half, so pieces compress differently
-    data = png.encode_png(rgb)
+    rgb[: shape[0] // 2] //= 16  # a smooth half and a noisy half
+    return rgb
+
+
+def _decoded(data: bytes) -> np.ndarray:
     image = Image.open(io.BytesIO(data))
     assert image.format == "PNG" and image.mode == "RGB"
-    assert np.array_equal(np.asarray(image), rgb)
+    return np.asarray(image)
 
 
-def test_a_large_image_is_deflated_in_several_pieces_into_one_stream(monkeypatch):
-    monkeypatch.setattr(png, "MIN_PIECE_BYTES", 1 << 12)
-    monkeypatch.setattr(png, "_pool", ThreadPoolExecutor(max_workers=4))
-    pieces = []
-    deflate = png._deflate
-    monkeypatch.setattr(png, "_deflate", lambda *a: pieces.append(a) or deflate(*a))
-    rgb = np.random.default_rng(0).integers(0, 256, (256, 256, 3), dtype=np.uint8)
-    raw = png._filtered_rows(rgb).tobytes()
-    stream = png._zlib_parallel(memoryview(raw), 1, 256)
-    assert len(pieces) == 4 and [final for *_, final in pieces].count(True) == 1
-    assert zlib.decompress(stream) == raw  # one valid zlib stream, checksum included
+@pytest.mark.parametrize("shape", [(1, 1), (17, 33), (512, 640), (1024, 1024)])
+def test_png_round_trips_through_pillow(shape):
+    rgb = _image(shape)
+    assert np.array_equal(_decoded(png.encode_png(rgb)), rgb)
+
+
+@pytest.mark.parametrize("name", list(png.BACKENDS))
+def test_every_backend_round_trips_exactly(name):
+    try:
+        encode = png.BACKENDS[name]()
+    except ImportError:
+        pytest.skip(f"{name} is not installed")
+    for shape in ((1, 1), (33, 17), (300, 451)):
+        rgb = _image(shape)
+        assert np.array_equal(_decoded(encode(rgb)), rgb), (name, shape)
+    view = _image((64, 96))[:, ::2]  # a non-contiguous view, as a strided frame is
+    assert np.array_equal(_decoded(encode(view)), view)
+
+
+def test_fpng_is_chosen_when_installed():
+    pytest.importorskip("fpng")
+    assert png.BACKEND == "fpng"
+
+
+def test_pillow_is_the_fallback_when_fpng_is_missing(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_fpng(name, *args, **kwargs):
+        if name == "fpng" or name.startswith("fpng."):
+            raise ImportError("No module named 'fpng'", name="fpng")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_fpng)
+    name, encode = png.select_backend()
+    assert name == "pillow"
+    rgb = _image((40, 24))
+    assert np.array_equal(_decoded(encode(rgb)), rgb)
+
+
+def test_bad_arrays_are_refused():
+    with pytest.raises(ValueError, match="uint8"):
+        png.encode_png(np.zeros((4, 4, 3), np.float32))
+    with pytest.raises(ValueError, match="uint8"):
+        png.encode_png(np.zeros((4, 4, 4), np.uint8))

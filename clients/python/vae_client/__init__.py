@@ -16,6 +16,7 @@ past ``deadline``); a refused request raises ``DecodeError`` with the server's `
 """
 
 from vae_client.aio import AsyncClient
+from vae_client.auth import Token, TokenProvider, TokenSource, jwt_expiry
 from vae_client.base import DEFAULT_URL
 from vae_client.errors import DeadlineExceeded, DecodeError
 from vae_client.retry import RetryPolicy, parse_retry_after
@@ -34,7 +35,11 @@ __all__ = [
     "DeadlineExceeded",
     "DecodeError",
     "RetryPolicy",
+    "Token",
+    "TokenProvider",
+    "TokenSource",
     "decode",
+    "jwt_expiry",
     "output_for_path",
     "parse_retry_after",
     "parse_server_timing",

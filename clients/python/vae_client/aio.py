@@ -48,7 +48,7 @@ class AsyncClient(BaseClient):
         deadline: float | None = None,
         **params: Any,
     ) -> bytes | np.ndarray:
-        req = build_request(latent, model, output, params, self.token)
+        req = build_request(latent, model, output, params, None)
         buf = bytearray()
         response = await self._send(req, buf.extend, deadline)
         return decode_response(req.output, buf, response.headers)
@@ -69,7 +69,7 @@ class AsyncClient(BaseClient):
             array = await self.decode(latent, model, output, deadline=deadline, **params)
             save_array(path, array)
             return path
-        req = build_request(latent, model, output, params, self.token)
+        req = build_request(latent, model, output, params, None)
         with atomic_write(path) as f:
             await self._send(req, f.write, deadline)
         return path
@@ -79,18 +79,23 @@ class AsyncClient(BaseClient):
     ) -> httpx.Response:
         """``Client._send`` with awaits: the same retries, waits and deadline."""
         attempts = self._begin(deadline)
+        reauthorized = False
         while True:
             attempts.count += 1
+            token = await self._current_token_async()
             try:
                 async with self._http.stream(
                     "POST",
                     req.path,
                     params=req.params,
-                    headers=req.headers,
+                    headers={**req.headers, **self._auth(token)},
                     content=req.body,
                     timeout=attempts.timeout(),
                 ) as response:
                     attempts.last_status = response.status_code
+                    if self._retry_unauthorized(response.status_code, token, reauthorized):
+                        reauthorized = True  # at once, with the provider's next token
+                        continue
                     if response.status_code >= 400:
                         wait = self._refused(attempts, response, await response.aread(), req)
                     else:

@@ -3,12 +3,14 @@ response turns into a retry wait, an error, or a finished call."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import os
 import time
 
 import httpx
 
+from vae_client.auth import TokenProvider, TokenSource
 from vae_client.errors import DecodeError, error_from_response
 from vae_client.retry import RETRY_STATUS, Attempts, RetryPolicy, parse_retry_after
 from vae_client.timing import CallInfo, parse_server_timing
@@ -20,23 +22,27 @@ DEFAULT_URL = os.environ.get("VAE_URL", "http://127.0.0.1:8080")
 class BaseClient:
     """``timeout``: seconds per attempt (connect/read); ``deadline``: seconds for a whole
     call, retries included (None: no overall limit); ``max_retries``: retries of 429/503 and
-    of connection failures; ``token``: sent as ``Authorization: Bearer`` (or $VAE_TOKEN)."""
+    of connection failures; ``token``: sent as ``Authorization: Bearer`` (or $VAE_TOKEN): a
+    string, or a provider (a callable returning one, see ``vae_client.auth``) called again
+    ``token_refresh_margin`` seconds before the token expires and once per request on a 401."""
 
     def __init__(
         self,
         base_url: str = DEFAULT_URL,
         timeout: float = 300.0,
-        token: str | None = None,
+        token: str | TokenProvider | None = None,
         max_retries: int = 5,
         deadline: float | None = None,
         backoff: float = 0.25,
         max_backoff: float = 30.0,
         jitter: float = 0.5,
         connect_timeout: float = 10.0,
+        token_refresh_margin: float = 60.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout, self.connect_timeout = timeout, connect_timeout
-        self.token = token or os.environ.get("VAE_TOKEN") or None
+        self._tokens = TokenSource(token, token_refresh_margin) if callable(token) else None
+        self.token = None if callable(token) else token or os.environ.get("VAE_TOKEN") or None
         self.deadline = deadline
         self.retry = RetryPolicy(max_retries, backoff, max_backoff, jitter)
         # per thread / per task, so concurrent callers each read their own call's timings
@@ -54,8 +60,26 @@ class BaseClient:
         info = self._last.get()
         return dict(info.timings) if info else {}
 
-    def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+    def _auth(self, token: str | None = None) -> dict[str, str]:
+        token = token or self._current_token()
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _current_token(self) -> str | None:
+        """The token to send now (the provider is called when its token is due)."""
+        return self._tokens.get() if self._tokens else self.token
+
+    async def _current_token_async(self) -> str | None:
+        """``_current_token`` without blocking the event loop on a provider's network call."""
+        if self._tokens is None:
+            return self.token
+        return self._tokens.cached() or await asyncio.to_thread(self._tokens.get)
+
+    def _retry_unauthorized(self, status: int, sent: str | None, retried: bool) -> bool:
+        """A 401 to a provider's token: forget it and retry the request once with a new one."""
+        if status != 401 or self._tokens is None or retried or sent is None:
+            return False
+        self._tokens.invalidate(sent)
+        return True
 
     def _begin(self, deadline: float | None) -> Attempts:
         self._last.set(None)  # a failed call leaves no stale timings behind

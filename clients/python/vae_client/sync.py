@@ -59,7 +59,7 @@ class Client(BaseClient):
         ``params`` are the service's query params (``do_scaling``, ``scaling_factor``,
         ``shift_factor``, ``height``, ``width``, ``fps``, ``quality``, ``timestep``, ...).
         """
-        req = build_request(latent, model, output, params, self.token)
+        req = build_request(latent, model, output, params, None)
         buf = bytearray()
         response = self._send(req, buf.extend, deadline)
         return decode_response(req.output, buf, response.headers)
@@ -86,7 +86,7 @@ class Client(BaseClient):
         if output_name(output) in ARRAY_OUTPUTS:
             save_array(path, self.decode(latent, model, output, deadline=deadline, **params))
             return path
-        req = build_request(latent, model, output, params, self.token)
+        req = build_request(latent, model, output, params, None)
         with atomic_write(path) as f:
             self._send(req, f.write, deadline)
         return path
@@ -105,18 +105,23 @@ class Client(BaseClient):
     ) -> httpx.Response:
         """POST until answered (retrying 429/503 and connection failures), body into ``sink``."""
         attempts = self._begin(deadline)
+        reauthorized = False
         while True:
             attempts.count += 1
+            token = self._current_token()
             try:
                 with self._http.stream(
                     "POST",
                     req.path,
                     params=req.params,
-                    headers=req.headers,
+                    headers={**req.headers, **self._auth(token)},
                     content=req.body,
                     timeout=attempts.timeout(),
                 ) as response:
                     attempts.last_status = response.status_code
+                    if self._retry_unauthorized(response.status_code, token, reauthorized):
+                        reauthorized = True  # at once, with the provider's next token
+                        continue
                     if response.status_code >= 400:
                         wait = self._refused(attempts, response, response.read(), req)
                     else:
