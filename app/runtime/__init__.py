@@ -36,7 +36,12 @@ class Runtime:
             settings.max_decode_mpixels << 20,
         )
         self.scheduler = Scheduler(
-            self.runner, metrics, settings.queue_depth, settings.max_batch, self._device_lost
+            self.runner,
+            metrics,
+            settings.queue_depth,
+            settings.max_batch,
+            self._device_lost,
+            max_streams=settings.streams_max,
         )
         self.on_device_lost: Callable[[str], None] = lambda reason: None
 
