@@ -242,7 +242,7 @@ def test_a_small_decode_is_answered_between_the_chunks_of_a_running_video(server
         r = requests.post(
             f"{server}/decode/faulty",
             data=small.numpy().tobytes(),
-            params={"shape": json.dumps(list(small.shape)), "output_type": "png"},
+            params={"shape": json.dumps(list(small.shape)), "output_type": "pil"},
             headers={"Content-Type": "tensor/binary"},
             timeout=60,
         )
