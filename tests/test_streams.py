@@ -255,3 +255,48 @@ def test_a_small_decode_is_answered_between_the_chunks_of_a_running_video(server
         reader.join(60)
         s.close()
     assert s.body()[1] and len(faulty.decoded(tag)) == frames
+
+
+# --- the streams' total is capped -----------------------------------------------------------
+
+
+def process_tree_rss(pid: int) -> tuple[int, int]:
+    """RSS bytes of a process and its children together, and how many children are ffmpeg."""
+    total, encoders = faulty.rss_bytes(pid), 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) != pid:
+                continue
+            total += faulty.rss_bytes(int(entry.name))
+        except (OSError, RuntimeError, ValueError):
+            continue
+        encoders += "ffmpeg" in stat
+    return total, encoders
+
+
+def test_24_slow_streams_stay_under_the_cap_of_the_streams_memory(store, tmp_path):
+    """24 clients open a 96-frame 320x320 MP4 each and read nothing for now: 8 are admitted
+    (8 ffmpeg, their buffers), 16 get a JSON 429; the server and its children stay under
+    base + 8 x 100 MB (about 30 MB of frames and 50 MB of ffmpeg a stream)."""
+    env = {"VAE_STREAMS_MAX": "8", "VAE_STREAM_SOCKET_KB": "16"}
+    with faulty.serve_process(store, tmp_path / "log", faulty_family=True, **env) as (url, proc):
+        base, _ = process_tree_rss(proc.pid)
+        streams = [RawStream(url, video_latent(400 + i, 96, 40)) for i in range(24)]
+        try:
+            codes = [s.read_head()[0] for s in streams]
+            assert codes.count(200) == 8 and codes.count(429) == 16, codes
+            faulty.wait_for("8 encoders", lambda: process_tree_rss(proc.pid)[1] == 8, 60)
+            time.sleep(2)  # the admitted streams' frames and encoders are all in memory now
+            total, encoders = process_tree_rss(proc.pid)
+            print(
+                f"base {base / 2**20:.0f} MiB, 24 streams {total / 2**20:.0f} MiB, {encoders} ffmpeg"
+            )
+            assert encoders == 8
+            assert total - base < 8 * 100 * 2**20, (base, total)
+        finally:
+            for s in streams:
+                s.close()
+        faulty.wait_for("the encoders reaped", lambda: process_tree_rss(proc.pid)[1] == 0, 5)
