@@ -650,6 +650,9 @@ class JobStream(StreamingResponse):
         self.stream.threads = settings.encoder_threads
         progress = ReaderProgress(scope, settings.stream_socket_kb << 10)
         quiet_aborts()
+        # a shutdown whose grace ran out cuts the stream: its ffmpeg must not outlive us
+        cut = asyncio.ensure_future(scope["app"].state.drain.expired.wait())
+        cut.add_done_callback(lambda t: t.cancelled() or self.stream.close("shutting down"))
 
         async def watched() -> Message:
             # Stop the worker at once: the cancellation that follows a disconnect only lands
@@ -668,6 +671,7 @@ class JobStream(StreamingResponse):
             abort_warning(scope, self.job.model.name, str(exc))
             raise
         finally:
+            cut.cancel()
             progress.close()
             self.stream.close()
             if self.on_close is not None:

@@ -51,6 +51,7 @@ class Mp4Stream:
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._reason = ""  # why close() ended it early, when it did
         self._body: Generator[bytes, None, None] | None = None
         # "encode" is ffmpeg's share alone: the waits for decoded frames (the decoder's own
         # phases) and for the client to read (suspended at yield) are taken out.
@@ -72,7 +73,7 @@ class Mp4Stream:
                 yield data
                 self._elsewhere += time.perf_counter() - t0
         except Exception as exc:  # the decode failed or the stream was dropped midway
-            raise StreamAborted(str(exc)) from exc
+            raise StreamAborted(self._reason or str(exc)) from exc
         finally:
             self.job.timer.add("encode", max(0.0, time.perf_counter() - started - self._elsewhere))
             self.job.abandoned.set()
@@ -96,12 +97,13 @@ class Mp4Stream:
         if closed:  # the response ended while ffmpeg was starting
             reap(proc)
 
-    def close(self) -> None:
+    def close(self, reason: str = "") -> None:
         """End everything the stream holds: stop the worker, kill and reap ffmpeg (the body's
         thread, if it is in a read or write, then sees the pipe close), free the slot."""
         self.job.abandon()
         with self._lock:
             self._closed, proc = True, self._proc
+            self._reason = self._reason or reason
         if proc is not None:
             reap(proc)
         if self._body is not None:

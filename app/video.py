@@ -20,11 +20,13 @@ even by repeating its last column / row (edge pixels, not black); the MP4 is tha
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import selectors
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import IO
 
@@ -33,6 +35,8 @@ import torch
 from torch import Tensor
 
 READ_SIZE = 1 << 16
+_running: set[subprocess.Popen] = set()  # live encoders, so an exiting process ends them all
+_running_lock = threading.Lock()
 KEYFRAME_SECONDS = 2  # a keyframe (and so a new MP4 fragment on the wire) every 2 s of video
 
 
@@ -141,6 +145,8 @@ def encode_mp4(
             ffmpeg_args(width, height, fps, crf, preset, threads),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors,
         )  # fmt: skip
+        with _running_lock:
+            _running.add(proc)
         if started is not None:
             started(proc)
         try:
@@ -161,6 +167,17 @@ def reap(proc: subprocess.Popen, timeout: float = 1.0) -> None:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:  # SIGKILL is not refused: only a stuck kernel gets here
         pass
+    with _running_lock:
+        _running.discard(proc)
+
+
+@atexit.register
+def reap_all() -> None:
+    """At exit (a shutdown that left streams unfinished): no encoder outlives the server."""
+    with _running_lock:
+        procs = list(_running)
+    for proc in procs:
+        reap(proc)
 
 
 def _check_frame(frame: np.ndarray, size: tuple[int, int] | None) -> np.ndarray:

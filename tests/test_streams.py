@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -300,3 +301,34 @@ def test_24_slow_streams_stay_under_the_cap_of_the_streams_memory(store, tmp_pat
             for s in streams:
                 s.close()
         faulty.wait_for("the encoders reaped", lambda: process_tree_rss(proc.pid)[1] == 0, 5)
+
+
+def encoder_pids(server_pid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if "(ffmpeg" in stat and int(stat[stat.rindex(")") + 2 :].split()[1]) == server_pid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_a_shutdown_ends_the_stalled_streams_encoders(store, tmp_path):
+    """SIGTERM while two streams stall: once the drain grace runs out and the process exits,
+    none of their ffmpeg is left running (orphaned to init)."""
+    env = {"VAE_DRAIN_GRACE_S": "1", "VAE_STREAM_SOCKET_KB": "16"}
+    with faulty.serve_process(store, tmp_path / "log", faulty_family=True, **env) as (url, proc):
+        streams = [RawStream(url, video_latent(500 + i, 96, 40)) for i in range(2)]
+        try:
+            assert [s.read_head()[0] for s in streams] == [200, 200]
+            faulty.wait_for("2 encoders", lambda: len(encoder_pids(proc.pid)) == 2, 60)
+            pids = encoder_pids(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+            alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+            assert not alive, (proc.returncode, (tmp_path / "log").read_text()[-600:])
+        finally:
+            for s in streams:
+                s.close()
