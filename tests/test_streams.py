@@ -20,6 +20,7 @@ import pytest
 import requests
 import torch
 
+from app.runtime.channel import FrameChannel
 from tests import faulty
 from tests.live import live_server
 
@@ -145,6 +146,50 @@ def wait_gone(timeout: float) -> float:
     start = time.monotonic()
     faulty.wait_for("every ffmpeg reaped", lambda: not ffmpeg_children(), timeout)
     return time.monotonic() - start
+
+
+# --- a stream's slot is given back exactly once, however it ends --------------------------
+
+
+def channel() -> tuple[FrameChannel, list[int]]:
+    ch, freed = FrameChannel(1 << 20, 0.2), []
+    ch.on_free = lambda: freed.append(1)
+    return ch, freed
+
+
+def test_a_slot_is_held_until_the_worker_and_the_reader_are_both_done():
+    ch, freed = channel()
+    assert ch.put(torch.zeros(1, 3, 1, 2, 2))
+    ch.attach_reader()
+    ch.close()
+    assert freed == []  # the response still encodes and sends the buffered frames
+    ch.reader_done()
+    ch.reader_done()
+    assert freed == [1]
+
+
+def test_a_slot_is_free_at_once_when_no_reader_will_come():
+    ch, freed = channel()  # refused before it started (deadline, client gone, queue full)
+    ch.close()
+    assert freed == [1]
+    ch, freed = channel()  # failed before its first frame: the answer is JSON
+    ch.close(RuntimeError("decoder fault"))
+    assert freed == [1]
+    ch, freed = channel()  # frames came, but the client left before its response started
+    assert ch.put(torch.zeros(1, 3, 1, 2, 2))
+    ch.drop("the client went away")
+    assert freed == []  # the worker may still be decoding
+    ch.close()
+    assert freed == [1]
+
+
+def test_a_full_channel_lets_the_worker_do_other_work_and_drops_a_reader_that_takes_nothing():
+    ch, _ = channel()
+    ch.max_bytes = 1
+    assert ch.put(torch.zeros(1, 3, 1, 2, 2))
+    calls = []
+    assert not ch.put(torch.zeros(1, 3, 1, 2, 2), idle=lambda: calls.append(1) or False)
+    assert calls and "took nothing" in ch.dropped
 
 
 # --- every end reaps its encoder, and the streams are capped ------------------------------
