@@ -47,6 +47,13 @@ class Settings(BaseSettings):
     stream_wait_s: float = Field(
         5.0, gt=0, description="how long the worker waits on a full MP4 buffer's reader"
     )
+    streams_max: int = Field(
+        8, ge=1, description="MP4 streams admitted at once (queued, decoding or sending), else 429"
+    )
+    encoder_threads: int = Field(2, ge=1, description="libx264 threads of each MP4 stream's ffmpeg")
+    stream_socket_kb: int = Field(
+        512, ge=16, description="kernel send buffer of an MP4 stream's connection (SO_SNDBUF)"
+    )
     # device
     device_memory_gb: float = Field(0.0, ge=0, description="cap on device memory; 0 = the card")
     oom_fallback: Literal["off", "cpu"] = Field(

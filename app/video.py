@@ -13,18 +13,21 @@ and probe it. The header leaves with the first frame, then one fragment per keyf
 (every ``KEYFRAME_SECONDS`` of video).
 
 Codec: H.264 (libx264), yuv420p, ``crf`` 18 by default (visually lossless), ``preset``
-veryfast. yuv420p subsamples chroma 2x2, so a frame with an odd width or height is padded to
+veryfast, ``threads`` encoder threads (libx264's own default is 1.5x the cores, per ffmpeg:
+a host running one ffmpeg per stream next to the decoder would be oversubscribed). yuv420p subsamples chroma 2x2, so a frame with an odd width or height is padded to
 even by repeating its last column / row (edge pixels, not black); the MP4 is that even size.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import selectors
 import subprocess
 import tempfile
-from collections.abc import Generator, Iterable, Iterator
+import threading
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import IO
 
 import numpy as np
@@ -32,6 +35,8 @@ import torch
 from torch import Tensor
 
 READ_SIZE = 1 << 16
+_running: set[subprocess.Popen] = set()  # live encoders, so an exiting process ends them all
+_running_lock = threading.Lock()
 KEYFRAME_SECONDS = 2  # a keyframe (and so a new MP4 fragment on the wire) every 2 s of video
 
 
@@ -64,13 +69,17 @@ def even_frame(frame: np.ndarray) -> np.ndarray:
     return np.pad(frame, ((0, h % 2), (0, w % 2), (0, 0)), mode="edge")
 
 
-def ffmpeg_args(width: int, height: int, fps: float, crf: int, preset: str) -> list[str]:
-    """rgb24 frames on stdin -> fragmented H.264/yuv420p MP4 on stdout."""
+def ffmpeg_args(
+    width: int, height: int, fps: float, crf: int, preset: str, threads: int | None = None
+) -> list[str]:
+    """rgb24 frames on stdin -> fragmented H.264/yuv420p MP4 on stdout; ``threads`` bounds
+    the encoder's and the pixel-format conversion's threads (None: ffmpeg's default)."""
+    bounded = ["-threads", str(threads), "-filter_threads", "1"] if threads else []
     return [
         ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-nostdin",
         "-f", "rawvideo", "-pix_fmt", "rgb24", "-s", f"{width}x{height}", "-r", f"{fps:g}",
         "-i", "pipe:0", "-an",
-        *codec_args(h264_encoder(), crf, preset),
+        *codec_args(h264_encoder(), crf, preset), *bounded,
         "-g", str(max(1, round(KEYFRAME_SECONDS * fps))),
         "-movflags", "frag_keyframe+empty_moov+default_base_moof",
         "-f", "mp4", "pipe:1",
@@ -108,14 +117,22 @@ def h264_encoder() -> str:
 
 
 def encode_mp4(
-    frames: Iterable[np.ndarray], fps: float = 24, *, crf: int = 18, preset: str = "veryfast"
+    frames: Iterable[np.ndarray],
+    fps: float = 24,
+    *,
+    crf: int = 18,
+    preset: str = "veryfast",
+    threads: int | None = None,
+    started: Callable[[subprocess.Popen], None] | None = None,
 ) -> Iterator[bytes]:
     """Stream uint8 ``[H, W, 3]`` frames into ffmpeg; yield the MP4 bytes as they come.
 
     Single-threaded: a selector interleaves writing frames to ffmpeg's stdin with reading
     its stdout, so neither pipe can fill up and deadlock. Frames are pulled from ``frames``
     only when ffmpeg can take more (the decoder runs in step with the encoder). Closing the
-    generator early kills ffmpeg. Raises ``RuntimeError`` with ffmpeg's message on failure.
+    generator early kills ffmpeg; ``started`` gets the process as soon as it runs, so another
+    thread can kill it (``reap``) while this generator is blocked. Raises ``RuntimeError``
+    with ffmpeg's message on failure.
     """
     it = iter(frames)
     first = next(it, None)
@@ -125,19 +142,42 @@ def encode_mp4(
     height, width = first.shape[:2]
     with tempfile.TemporaryFile() as errors:
         proc = subprocess.Popen(
-            ffmpeg_args(width, height, fps, crf, preset),
+            ffmpeg_args(width, height, fps, crf, preset, threads),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors,
         )  # fmt: skip
+        with _running_lock:
+            _running.add(proc)
+        if started is not None:
+            started(proc)
         try:
             early = yield from _pump(proc, _frame_bytes(first, it, (height, width)))
             _finish(proc, errors, early)
         finally:
-            if proc.poll() is None:  # closed early, or a frame source failed
-                proc.kill()
-                proc.wait()
+            reap(proc)  # closed early, or a frame source failed
             for pipe in (proc.stdin, proc.stdout):
                 if pipe is not None and not pipe.closed:
                     pipe.close()
+
+
+def reap(proc: subprocess.Popen, timeout: float = 1.0) -> None:
+    """Kill ffmpeg if it still runs and collect its exit (no zombie); safe from any thread."""
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:  # SIGKILL is not refused: only a stuck kernel gets here
+        pass
+    with _running_lock:
+        _running.discard(proc)
+
+
+@atexit.register
+def reap_all() -> None:
+    """At exit (a shutdown that left streams unfinished): no encoder outlives the server."""
+    with _running_lock:
+        procs = list(_running)
+    for proc in procs:
+        reap(proc)
 
 
 def _check_frame(frame: np.ndarray, size: tuple[int, int] | None) -> np.ndarray:

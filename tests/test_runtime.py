@@ -28,6 +28,7 @@ from app.runtime.scheduler import Scheduler
 from app.timing import PhaseTimer
 from tests import faulty
 from tests.live import live_server
+from tests.test_streams import ffmpeg_children
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -260,6 +261,10 @@ def test_a_stalled_mp4_reader_costs_only_its_own_stream(store):
             waited = time.monotonic() - t0
             assert r.status_code == 200
             assert waited < 20  # not the 60 s stall limit of the stalled reader
+            # the other request did not wait for the stalled stream to be dropped (it is served
+            # between the stream's chunks); still stalled, the stream is dropped once its
+            # buffer is full for VAE_STREAM_WAIT_S, and its ffmpeg reaped
+            faulty.wait_for("the stalled stream dropped", lambda: not ffmpeg_children(), 120)
             # the dropped stream ends without its final chunk: the truncation is visible
             sock.settimeout(30)
             received = b""

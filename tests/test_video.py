@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -118,3 +119,48 @@ def test_ltx_decode_to_mp4(tmp_path):
 
 def luma(frames: np.ndarray) -> np.ndarray:
     return frames.astype(np.float64) @ np.array([0.299, 0.587, 0.114])
+
+
+def noise_frames(n: int, size: int):
+    rng = np.random.default_rng(0)
+    for _ in range(n):
+        yield rng.integers(0, 255, (size, size, 3), dtype=np.uint8)
+
+
+def encoder_threads(threads: int | None) -> tuple[int, list[str]]:
+    """The most threads ffmpeg ran while encoding noise, and its command line."""
+    procs, seen = [], []
+
+    def frames():
+        for i, frame in enumerate(noise_frames(40, 256)):
+            if procs and i % 8 == 4:
+                status = open(f"/proc/{procs[0].pid}/status").read()
+                seen.append(int(status.split("Threads:")[1].split()[0]))
+            yield frame
+
+    for _ in video.encode_mp4(frames(), 24, threads=threads, started=procs.append):
+        pass
+    return max(seen), procs[0].args
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux /proc")
+def test_encoder_threads_are_bounded():
+    bounded, args = encoder_threads(1)
+    assert args[args.index("-threads") + 1] == "1"
+    default, args = encoder_threads(None)
+    assert "-threads" not in args
+    assert bounded < default  # libx264's default is 1.5 threads a core (and lookahead ones)
+
+
+def test_reap_ends_an_encoder_blocked_in_another_thread():
+    """The generator is suspended (its reader went away): reap kills and collects ffmpeg at
+    once from here, and closing the generator afterwards still frees its pipes."""
+    procs = []
+    encoder = video.encode_mp4(noise_frames(200, 128), 24, started=procs.append)
+    next(encoder)
+    proc = procs[0]
+    assert proc.poll() is None
+    video.reap(proc)
+    assert proc.returncode is not None  # collected: no zombie left
+    encoder.close()
+    assert proc.stdin.closed and proc.stdout.closed

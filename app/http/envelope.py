@@ -11,6 +11,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.errors import error_response
+from app.streams import StreamAborted
 
 log = logging.getLogger("app.service")
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: "$" lets a "\n" through
@@ -63,6 +64,8 @@ class Envelope:
             )(scope, receive, send_with_headers)
         try:
             await self.app(scope, receive, send_with_headers)
+        except StreamAborted:
+            raise  # an aborted stream: logged as one warning line where it ended
         except Exception:
             log.exception("unhandled error in request %s", rid)
             if sent:

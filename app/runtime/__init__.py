@@ -43,6 +43,7 @@ class Runtime:
             settings.batch_rows,
             self._device_lost,
             settings.batch_window_ms / 1000,
+            max_streams=settings.streams_max,
         )
         self.on_device_lost: Callable[[str], None] = lambda reason: None
 

@@ -7,6 +7,12 @@ is decided: a micro-batch takes at most ``row_cap`` latent rows (``VAE_BATCH_ROW
 manifest's ``max_batch``, and the runner's plan of what fits the device), a job of more rows
 is decoded in several, and each job gets its own rows' outputs back. A job whose caller left,
 or whose deadline passed before it could start, is dropped before any decoding.
+
+Long work does not hold short work: a streamed video decodes one chunk at a time, and between
+its chunks (and while its buffer is full) the worker serves whatever other work is queued, so
+a small decode waits about one chunk, not whole videos. Streams run one at a time, in order
+(each holds its decoder's working state); at most ``max_streams`` are admitted at once,
+queued or running or still sending (``StreamsFull`` past that).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -37,6 +44,10 @@ log = logging.getLogger("app.runtime.scheduler")
 
 class QueueFull(Exception):
     """The bounded queue is full: the caller answers 429 with Retry-After."""
+
+
+class StreamsFull(QueueFull):
+    """As many streams as ``max_streams`` are admitted: 429 with Retry-After."""
 
 
 class Stopped(Exception):
@@ -105,6 +116,7 @@ class Scheduler:
         batch_rows: int,
         on_device_lost: Callable[[str], None],
         batch_window_s: float = 0.0,
+        max_streams: int = 8,
     ) -> None:
         self.runner = runner
         self.metrics = metrics
@@ -116,6 +128,11 @@ class Scheduler:
         self._worker: threading.Thread | None = None
         self._pending: Job | Call | None = None  # a job taken off the queue that did not batch
         self._stopping = False
+        self._stop_seen = False  # the stop sentinel came while a stream ran: exit after it
+        self._streams_waiting: deque[Job] = deque()  # taken off the queue during a stream
+        self.max_streams = max_streams
+        self.streams = 0  # admitted streams not yet free (queued, decoding or sending)
+        self._streams_lock = threading.Lock()
 
     @property
     def worker_died(self) -> bool:
@@ -139,6 +156,9 @@ class Scheduler:
     def fail_queued(self, exc: BaseException) -> int:
         """Answer every job still waiting in the queue with ``exc``; how many there were."""
         failed = 0
+        while self._streams_waiting:
+            fail(self._streams_waiting.popleft(), exc)
+            failed += 1
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -165,35 +185,83 @@ class Scheduler:
             raise Stopped("the service is shutting down")
         if self.device_lost:
             raise DeviceLost(self.device_lost)
+        if job.channel is not None:
+            self._admit_stream(job.channel)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
+            if job.channel is not None:
+                job.channel.close()  # gives its slot back
             raise QueueFull from None
         self.metrics.queue_depth.set(self._queue.qsize())
         return job.future
 
+    def _admit_stream(self, channel: FrameChannel) -> None:
+        with self._streams_lock:
+            if self.streams >= self.max_streams:
+                raise StreamsFull(
+                    f"{self.streams} streams are running (the most is {self.max_streams})"
+                )
+            self.streams += 1
+        channel.on_free = self._stream_freed
+
+    def _stream_freed(self) -> None:
+        with self._streams_lock:
+            self.streams -= 1
+
     # --- the worker -------------------------------------------------------------------------
     def _run(self) -> None:
-        while True:
-            job = self._pending or self._queue.get()
+        while not self._stop_seen:
+            item = self._pending or (
+                self._streams_waiting.popleft() if self._streams_waiting else self._queue.get()
+            )
             self._pending = None
-            if job is None:
-                return
-            if isinstance(job, Call):
-                _run_call(job)
-                continue
-            batch: list[Job] = [job]
-            try:
-                batch = self._gather(job)
-                self.metrics.queue_depth.set(self._queue.qsize())
-                self.metrics.inflight.set(len(batch))
-                self._decode_batch(batch)
-            except Exception as exc:  # a bug here must fail its jobs, not stop the worker
-                log.exception("decode worker error")
-                for j in batch:
-                    fail(j, exc)
-            finally:
-                self.metrics.inflight.set(0)
+            self._run_item(item)
+        self.fail_queued(Stopped("the service is shutting down"))
+
+    def _run_item(self, item: Job | Call | None) -> None:
+        if item is None:
+            self._stop_seen = True
+        elif isinstance(item, Call):
+            _run_call(item)
+        else:
+            self._run_job(item)
+
+    def _serve_others(self) -> bool:
+        """Between a stream's chunks: run the work queued now (streams wait their turn).
+        Whether there was any."""
+        did = False
+        for _ in range(self._queue.qsize() + 1):
+            item = self._pending
+            self._pending = None
+            if item is None:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            did = True
+            if isinstance(item, Job) and item.channel is not None:
+                self._streams_waiting.append(item)
+            elif item is None:
+                self._stop_seen = True  # finish this stream, then exit
+                break
+            else:
+                self._run_item(item)
+        return did
+
+    def _run_job(self, job: Job) -> None:
+        batch: list[Job] = [job]
+        try:
+            batch = self._gather(job)
+            self.metrics.queue_depth.set(self._queue.qsize())
+            self.metrics.inflight.set(len(batch))
+            self._decode_batch(batch)
+        except Exception as exc:  # a bug here must fail its jobs, not stop the worker
+            log.exception("decode worker error")
+            for j in batch:
+                fail(j, exc)
+        finally:
+            self.metrics.inflight.set(0)
 
     def row_cap(self, job: Job) -> int:
         """Rows one micro-batch of ``job``'s kind may take: ``VAE_BATCH_ROWS``, the model's
@@ -275,15 +343,17 @@ class Scheduler:
         return outs
 
     def _stream(self, job: Job) -> None:
-        """Decode chunk by chunk into the job's channel; the future resolves at the end."""
+        """Decode chunk by chunk into the job's channel, serving the other queued work between
+        chunks and while the channel is full; the future resolves at the end."""
         channel = job.channel
         try:
             frames = self.runner.stream(job.model, job.request, job.timer)
             for chunk in frames:
-                if not channel.put(chunk):
-                    log.warning("model %s: stream dropped: %s", job.model.name, channel.dropped)
+                if not channel.put(chunk, idle=self._serve_others):
+                    log.debug("model %s: stream dropped: %s", job.model.name, channel.dropped)
                     frames.close()
                     break
+                self._serve_others()
         except Exception as exc:
             channel.close(exc)
             self._failed([job], exc)
@@ -321,6 +391,8 @@ def _run_call(call: Call) -> None:
 def admit(job: Job, now: float) -> bool:
     """Mark a job running, unless its caller left or its deadline passed (then refuse it)."""
     if job.abandoned.is_set() or not job.future.set_running_or_notify_cancel():
+        if job.channel is not None:
+            job.channel.close()  # never streamed: its slot is free
         return False
     if job.deadline is not None and now > job.deadline:
         fail(job, DeadlineExceeded(now - job.enqueued))

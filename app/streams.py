@@ -1,0 +1,222 @@
+"""A streamed MP4 response's resources and its reader's progress.
+
+``Mp4Stream`` is the body of one MP4 response: frames from the job's channel go into ffmpeg,
+MP4 bytes come out. However the response ends (done, dropped, failed, client gone, shutdown)
+``close`` kills and reaps its ffmpeg at once and tells the channel its reader is done (which
+gives the stream's slot back). The body runs in a worker thread (Starlette iterates it in
+the threadpool) and an aborted response leaves that generator suspended, so nothing else
+would end ffmpeg until the garbage collector found the generator.
+
+``ReaderProgress`` says whether the client is reading: the bytes its TCP acknowledged
+(``TCP_INFO``), polled while a send waits. A send that waits on a slow reader for a long
+time is not a stall: a reader that takes a little is making progress. The kernel's own
+buffers are bounded per stream (``SO_SNDBUF``) so that a slow reader's backlog stays small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Generator, Iterator
+from typing import Any
+
+from app.runtime.scheduler import Job
+from app.video import encode_mp4, reap
+
+log = logging.getLogger("app.streams")
+
+TCP_INFO_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info
+POLL_S = 1.0  # how often a waiting send looks at the reader's progress (at most)
+
+
+class StreamAborted(Exception):
+    """A streamed response given up midway: raised through the server, which then closes the
+    connection without ending the body, so the client sees the truncation."""
+
+
+class Mp4Stream:
+    """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes."""
+
+    def __init__(self, job: Job, fps: float, threads: int | None = None) -> None:
+        assert job.channel is not None
+        self.job, self.fps, self.threads = job, fps, threads
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._reason = ""  # why close() ended it early, when it did
+        self._body: Generator[bytes, None, None] | None = None
+        # "encode" is ffmpeg's share alone: the waits for decoded frames (the decoder's own
+        # phases) and for the client to read (suspended at yield) are taken out.
+        self._elsewhere = 0.0
+        job.channel.attach_reader()
+
+    def body(self) -> Iterator[bytes]:
+        """The response body (one generator: ``close`` closes it too)."""
+        if self._body is None:
+            self._body = self._encode()
+        return self._body
+
+    def _encode(self) -> Iterator[bytes]:
+        started = time.perf_counter()
+        try:
+            for data in encode_mp4(self._frames(), self.fps, threads=self.threads,
+                                   started=self._started):  # fmt: skip
+                t0 = time.perf_counter()
+                yield data
+                self._elsewhere += time.perf_counter() - t0
+        except Exception as exc:  # the decode failed or the stream was dropped midway
+            raise StreamAborted(self._reason or str(exc)) from exc
+        finally:
+            self.job.timer.add("encode", max(0.0, time.perf_counter() - started - self._elsewhere))
+            self.job.abandoned.set()
+
+    def _frames(self) -> Iterator[Any]:
+        chunks = iter(self.job.channel)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                chunk = next(chunks, None)
+            finally:
+                self._elsewhere += time.perf_counter() - t0
+            if chunk is None:
+                return
+            yield from chunk.numpy()
+
+    def _started(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._proc = proc
+            closed = self._closed
+        if closed:  # the response ended while ffmpeg was starting
+            reap(proc)
+
+    def close(self, reason: str = "") -> None:
+        """End everything the stream holds: stop the worker, kill and reap ffmpeg (the body's
+        thread, if it is in a read or write, then sees the pipe close), free the slot."""
+        self.job.abandon()
+        with self._lock:
+            self._closed, proc = True, self._proc
+            self._reason = self._reason or reason
+        if proc is not None:
+            reap(proc)
+        if self._body is not None:
+            with contextlib.suppress(ValueError):  # running in its thread: it sees EOF and ends
+                self._body.close()  # else suspended: closing frees its pipes now, not at GC
+        self.job.channel.reader_done()
+
+
+class ReaderProgress:
+    """The bytes of a connection its peer has acknowledged, where the server can see them
+    (Linux ``TCP_INFO``); ``None`` elsewhere, and then only a finished send is progress."""
+
+    def __init__(self, scope: dict[str, Any], send_buffer: int) -> None:
+        self._sock = _connection_socket(scope)
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+
+    def acked(self) -> int | None:
+        if self._sock is None:
+            return None
+        try:
+            info = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        except OSError:
+            return None
+        if len(info) < TCP_INFO_BYTES_ACKED + 8:
+            return None
+        return struct.unpack_from("Q", info, TCP_INFO_BYTES_ACKED)[0]
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()  # our duplicate only: the server's descriptor stays open
+            self._sock = None
+
+
+async def send_or_stall(send: Awaitable[None], progress: ReaderProgress, stall_s: float) -> None:
+    """Await ``send``; raise ``StreamAborted`` if meanwhile the reader acknowledges nothing
+    for ``stall_s``."""
+    task = asyncio.ensure_future(send)
+    last, deadline = progress.acked(), time.monotonic() + stall_s
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, min(POLL_S, remaining)))
+            if done:
+                return task.result()
+            now = progress.acked()
+            if now != last:  # the reader took some: it gets stall_s more
+                last, deadline = now, time.monotonic() + stall_s
+            elif time.monotonic() >= deadline:
+                raise StreamAborted(f"the client read nothing for {stall_s:g} s")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def _connection_socket(scope: dict[str, Any]) -> socket.socket | None:
+    """A duplicate of this request's connection socket, found among the process's descriptors
+    by its two addresses (ASGI gives no handle on it); None where that is not possible (no
+    /proc, a proxy-rewritten client address, a Unix socket)."""
+    client, server = scope.get("client"), scope.get("server")
+    if not sys.platform.startswith("linux") or not client or not server:
+        return None
+    want = ((str(client[0]), int(client[1])), (str(server[0]), int(server[1])))
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if (
+                sock.type == socket.SOCK_STREAM
+                and (
+                    sock.getpeername()[:2],
+                    sock.getsockname()[:2],
+                )
+                == want
+            ):
+                return sock
+        except OSError:
+            pass
+        sock.close()
+    return None
+
+
+class _QuietAborts(logging.Filter):
+    """Drop the server's traceback for a stream given up on purpose: ``JobStream`` has
+    logged it as one warning line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+        return not isinstance(exc, StreamAborted)
+
+
+_quiet = _QuietAborts()
+
+
+def quiet_aborts() -> None:
+    """Install the filter on uvicorn's error logger (idempotent; after any dictConfig)."""
+    for name in ("uvicorn.error", "app.service"):  # the server's, and the app's Envelope
+        logger = logging.getLogger(name)
+        if _quiet not in logger.filters:
+            logger.addFilter(_quiet)
+
+
+def abort_warning(scope: dict[str, Any], model: str, reason: str) -> None:
+    request_id = (scope.get("state") or {}).get("request_id")
+    log.warning("MP4 stream aborted: request %s, model %s: %s", request_id, model, reason)

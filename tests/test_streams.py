@@ -1,0 +1,379 @@
+"""MP4 streams end cleanly and fairly: every end reaps its ffmpeg, the streams have a total cap,
+a slow but steady reader gets its whole video while one that stops is dropped with one warning
+line, and a small decode is answered while a video decodes. Real uvicorn on loopback, real
+ffmpeg, raw sockets for the readers (their receive buffer and pace are the test's to set)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import imageio_ffmpeg
+import pytest
+import requests
+import torch
+
+from app.runtime.channel import FrameChannel
+from tests import faulty
+from tests.live import live_server
+
+STALL_S = 2.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def faulty_family():
+    with faulty.registered():
+        yield
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("streams-store")
+    faulty.bake(store, "faulty")
+    faulty.bake(store, "faulty-video", video=True)
+    return store
+
+
+@pytest.fixture(scope="module")
+def server(store):
+    settings = dict(device="cpu", dtype="float32", stream_stall_s=STALL_S, streams_max=3)
+    with live_server(store, stream_socket_kb=16, **settings) as url:
+        yield url
+
+
+def video_latent(tag: float, frames: int, size: int, command: float = 0.0, arg: float = 0.0):
+    """Noise (so the MP4 is large enough to fill the socket buffers) carrying a command."""
+    z = torch.randn(1, 4, frames, size, size, generator=torch.Generator().manual_seed(int(tag)))
+    z.view(1, 4, -1)[0, :3, 0] = torch.tensor([command, arg, tag])
+    return z
+
+
+class RawStream:
+    """One MP4 request on a raw socket with a small receive buffer: the test reads it at
+    its own pace, or not at all."""
+
+    def __init__(self, url: str, z: torch.Tensor, request_id: str = "", rcvbuf: int = 2048):
+        host, port = urlsplit(url).hostname, urlsplit(url).port
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        self.sock.connect((host, port))
+        body = z.numpy().tobytes()
+        query = f"shape={','.join(map(str, z.shape))}&dtype=float32&output_type=mp4"
+        head = (
+            f"POST /decode/faulty-video?{query} HTTP/1.1\r\nHost: {host}\r\n"
+            f"Content-Type: tensor/binary\r\nContent-Length: {len(body)}\r\n"
+            f"X-Request-Id: {request_id or 'none'}\r\n\r\n"
+        )
+        self.sock.sendall(head.encode() + body)
+        self.raw = b""
+
+    def read(self, n: int, timeout: float = 30) -> bytes:
+        """Up to n bytes, b"" at the end of the connection."""
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(n)
+        except ConnectionResetError:
+            data = b""
+        self.raw += data
+        return data
+
+    def read_head(self) -> tuple[int, dict[str, str]]:
+        while b"\r\n\r\n" not in self.raw:
+            if not self.read(1024):
+                raise AssertionError(f"no response head: {self.raw!r}")
+        head = self.raw.split(b"\r\n\r\n", 1)[0].decode()
+        lines = head.split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        return int(lines[0].split()[1]), headers
+
+    def read_paced(self, rate: int) -> None:
+        """Read to the end of the connection, ``rate`` bytes a second in tenth-second steps."""
+        step = max(1, rate // 10)
+        while self.read(step):
+            time.sleep(0.1)
+
+    def body(self) -> tuple[bytes, bool]:
+        """The de-chunked body, and whether its terminating chunk came (a complete body)."""
+        rest, out = self.raw.split(b"\r\n\r\n", 1)[1], b""
+        while b"\r\n" in rest:
+            size_line, rest = rest.split(b"\r\n", 1)
+            size = int(size_line, 16)
+            if size == 0:
+                return out, True
+            if len(rest) < size + 2:
+                return out + rest[:size], False
+            out, rest = out + rest[:size], rest[size + 2 :]
+        return out, False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def ffmpeg_children() -> list[int]:
+    """Pids of this process's ffmpeg children (the in-process server's encoders), zombies
+    included: a reaped child is gone from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        if comm.startswith("ffmpeg") and int(fields.split()[1]) == os.getpid():
+            pids.append(int(entry.name))
+    return pids
+
+
+def mp4_frames(data: bytes, tmp_path: Path) -> int:
+    path = tmp_path / "got.mp4"
+    path.write_bytes(data)
+    reader = imageio_ffmpeg.read_frames(str(path))
+    next(reader)
+    return sum(1 for _ in reader)
+
+
+def wait_gone(timeout: float) -> float:
+    """Seconds until no ffmpeg child is left (fails past ``timeout``)."""
+    start = time.monotonic()
+    faulty.wait_for("every ffmpeg reaped", lambda: not ffmpeg_children(), timeout)
+    return time.monotonic() - start
+
+
+# --- a stream's slot is given back exactly once, however it ends --------------------------
+
+
+def channel() -> tuple[FrameChannel, list[int]]:
+    ch, freed = FrameChannel(1 << 20, 0.2), []
+    ch.on_free = lambda: freed.append(1)
+    return ch, freed
+
+
+def test_a_slot_is_held_until_the_worker_and_the_reader_are_both_done():
+    ch, freed = channel()
+    assert ch.put(torch.zeros(1, 3, 1, 2, 2))
+    ch.attach_reader()
+    ch.close()
+    assert freed == []  # the response still encodes and sends the buffered frames
+    ch.reader_done()
+    ch.reader_done()
+    assert freed == [1]
+
+
+def test_a_slot_is_free_at_once_when_no_reader_will_come():
+    ch, freed = channel()  # refused before it started (deadline, client gone, queue full)
+    ch.close()
+    assert freed == [1]
+    ch, freed = channel()  # failed before its first frame: the answer is JSON
+    ch.close(RuntimeError("decoder fault"))
+    assert freed == [1]
+    ch, freed = channel()  # frames came, but the client left before its response started
+    assert ch.put(torch.zeros(1, 3, 1, 2, 2))
+    ch.drop("the client went away")
+    assert freed == []  # the worker may still be decoding
+    ch.close()
+    assert freed == [1]
+
+
+def test_a_full_channel_lets_the_worker_do_other_work_and_drops_a_reader_that_takes_nothing():
+    ch, _ = channel()
+    ch.max_bytes = 1
+    assert ch.put(torch.zeros(1, 3, 1, 2, 2))
+    calls = []
+    assert not ch.put(torch.zeros(1, 3, 1, 2, 2), idle=lambda: calls.append(1) or False)
+    assert calls and "took nothing" in ch.dropped
+
+
+# --- every end reaps its encoder, and the streams are capped ------------------------------
+
+
+def test_streams_closed_by_their_clients_reap_their_ffmpeg_within_a_second(server):
+    streams = [RawStream(server, video_latent(100 + i, 48, 40)) for i in range(3)]
+    for s in streams:
+        assert s.read_head()[0] == 200  # each has its first frames: its ffmpeg runs
+    faulty.wait_for("3 encoders", lambda: len(ffmpeg_children()) == 3, 30)
+    time.sleep(0.5)  # stalled: nothing read, the encoders blocked on full pipes
+    assert len(ffmpeg_children()) == 3
+    for s in streams:
+        s.close()
+    assert wait_gone(5) <= 1.0
+
+
+def test_past_the_stream_cap_a_new_stream_gets_429_and_a_freed_slot_is_reused(server):
+    streams = [RawStream(server, video_latent(110 + i, 48, 40)) for i in range(3)]
+    try:
+        assert all(s.read_head()[0] == 200 for s in streams)
+        refused = RawStream(server, video_latent(113, 4, 8))
+        status, headers = refused.read_head()
+        refused.read(4096, timeout=5)
+        assert status == 429 and headers["retry-after"] == "1"
+        assert headers["content-type"] == "application/json"
+        refused.close()
+    finally:
+        for s in streams:
+            s.close()
+    wait_gone(5)
+    faulty.wait_for("the closed streams' slots given back", lambda: admitted(server), 10)
+
+
+def admitted(url: str) -> bool:
+    """Whether a new (tiny) stream is admitted, read to its end."""
+    s = RawStream(url, video_latent(114, 4, 8))
+    try:
+        if s.read_head()[0] != 200:
+            return False
+        s.read_paced(1 << 20)
+        assert s.body()[1]
+        return True
+    finally:
+        s.close()
+
+
+# --- the stall rule is about progress -------------------------------------------------------
+
+
+def test_a_steady_slow_reader_gets_the_whole_mp4(server, tmp_path):
+    """8 KB/s: one send waits on it for seconds (the asyncio buffer drains 48 KB before the
+    next write), far past the 2 s stall limit, but its TCP acknowledges bytes all along."""
+    s = RawStream(server, video_latent(120, 48, 40), request_id="steady-reader")
+    assert s.read_head()[0] == 200
+    started = time.monotonic()
+    s.read_paced(8192)
+    body, complete = s.body()
+    took = time.monotonic() - started
+    assert complete, f"cut after {len(body)} bytes in {took:.1f} s"
+    assert len(body) > 100_000 and took > 3 * STALL_S  # slow enough to matter
+    assert mp4_frames(body, tmp_path) == 48
+
+
+def test_a_reader_that_stops_is_dropped_with_one_warning_and_its_ffmpeg_reaped(server, caplog):
+    caplog.set_level(logging.INFO)
+    s = RawStream(server, video_latent(121, 96, 40), request_id="stopped-reader")
+    assert s.read_head()[0] == 200
+    faulty.wait_for("its encoder", lambda: len(ffmpeg_children()) == 1, 30)
+    faulty.wait_for("the drop", lambda: not ffmpeg_children(), STALL_S + 10)
+    s.read_paced(1 << 20)  # what the kernel still held, then the end: no terminating chunk
+    body, complete = s.body()
+    assert not complete
+    s.close()
+    ours = [r for r in caplog.records if "stopped-reader" in r.getMessage()]
+    assert len(ours) == 1 and ours[0].levelno == logging.WARNING, ours
+    assert "read nothing" in ours[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+# --- no head-of-line blocking -------------------------------------------------------------
+
+
+def test_a_small_decode_is_answered_between_the_chunks_of_a_running_video(server):
+    """A video of 40 chunks at 0.2 s each is decoding; a 64x64 image sent meanwhile waits for
+    about one chunk, not for the whole video."""
+    frames, tag = 40, 130.0
+    z = video_latent(tag, frames, 8, faulty.SLEEP, 0.2)
+    s = RawStream(server, z)
+    reader = threading.Thread(target=s.read_paced, args=(1 << 20,))
+    try:
+        assert s.read_head()[0] == 200
+        reader.start()
+        faulty.wait_for("the video decoding", lambda: len(faulty.decoded(tag)) >= 2, 30)
+        small = faulty.latent(tag=131, size=8)
+        r = requests.post(
+            f"{server}/decode/faulty",
+            data=small.numpy().tobytes(),
+            params={"shape": json.dumps(list(small.shape)), "output_type": "pil"},
+            headers={"Content-Type": "tensor/binary"},
+            timeout=60,
+        )
+        video_frames_then = len(faulty.decoded(tag))
+        assert r.status_code == 200
+        assert video_frames_then < frames, "the image waited for the whole video"
+        queued = float(r.headers["Server-Timing"].split("queue;dur=")[1].split(",")[0]) / 1000
+        assert queued < 0.2 * 10, queued  # about one chunk; generous for a loaded host
+    finally:
+        reader.join(60)
+        s.close()
+    assert s.body()[1] and len(faulty.decoded(tag)) == frames
+
+
+# --- the streams' total is capped -----------------------------------------------------------
+
+
+def process_tree_rss(pid: int) -> tuple[int, int]:
+    """RSS bytes of a process and its children together, and how many children are ffmpeg."""
+    total, encoders = faulty.rss_bytes(pid), 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) != pid:
+                continue
+            total += faulty.rss_bytes(int(entry.name))
+        except (OSError, RuntimeError, ValueError):
+            continue
+        encoders += "ffmpeg" in stat
+    return total, encoders
+
+
+def test_24_slow_streams_stay_under_the_cap_of_the_streams_memory(store, tmp_path):
+    """24 clients open a 96-frame 320x320 MP4 each and read nothing for now: 8 are admitted
+    (8 ffmpeg, their buffers), 16 get a JSON 429; the server and its children stay under
+    base + 8 x 100 MB (about 30 MB of frames and 50 MB of ffmpeg a stream)."""
+    env = {"VAE_STREAMS_MAX": "8", "VAE_STREAM_SOCKET_KB": "16"}
+    with faulty.serve_process(store, tmp_path / "log", faulty_family=True, **env) as (url, proc):
+        base, _ = process_tree_rss(proc.pid)
+        streams = [RawStream(url, video_latent(400 + i, 96, 40)) for i in range(24)]
+        try:
+            codes = [s.read_head()[0] for s in streams]
+            assert codes.count(200) == 8 and codes.count(429) == 16, codes
+            faulty.wait_for("8 encoders", lambda: process_tree_rss(proc.pid)[1] == 8, 60)
+            time.sleep(2)  # the admitted streams' frames and encoders are all in memory now
+            total, encoders = process_tree_rss(proc.pid)
+            print(
+                f"base {base / 2**20:.0f} MiB, 24 streams {total / 2**20:.0f} MiB, {encoders} ffmpeg"
+            )
+            assert encoders == 8
+            assert total - base < 8 * 100 * 2**20, (base, total)
+        finally:
+            for s in streams:
+                s.close()
+        faulty.wait_for("the encoders reaped", lambda: process_tree_rss(proc.pid)[1] == 0, 5)
+
+
+def encoder_pids(server_pid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if "(ffmpeg" in stat and int(stat[stat.rindex(")") + 2 :].split()[1]) == server_pid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_a_shutdown_ends_the_stalled_streams_encoders(store, tmp_path):
+    """SIGTERM while two streams stall: once the drain grace runs out and the process exits,
+    none of their ffmpeg is left running (orphaned to init)."""
+    env = {"VAE_DRAIN_GRACE_S": "1", "VAE_STREAM_SOCKET_KB": "16"}
+    with faulty.serve_process(store, tmp_path / "log", faulty_family=True, **env) as (url, proc):
+        streams = [RawStream(url, video_latent(500 + i, 96, 40)) for i in range(2)]
+        try:
+            assert [s.read_head()[0] for s in streams] == [200, 200]
+            faulty.wait_for("2 encoders", lambda: len(encoder_pids(proc.pid)) == 2, 60)
+            pids = encoder_pids(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+            alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+            assert not alive, (proc.returncode, (tmp_path / "log").read_text()[-600:])
+        finally:
+            for s in streams:
+                s.close()
