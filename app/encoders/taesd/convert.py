@@ -108,6 +108,11 @@ def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
             raise FileNotFoundError(f"taesd: no *_encoder.pth or .safetensors in {source}")
         source = found[0]
     sd = _canonicalize(_load(source))
+    if sd["conv_in.weight"].shape[1] != 3:  # a decoder's first conv reads the latent
+        raise ValueError(
+            f"{source}: not a tiny encoder (its first conv reads "
+            f"{sd['conv_in.weight'].shape[1]} channels, not RGB): a decoder?"
+        )
     config = infer_config(sd)
     Encoder(config).load_state_dict(sd, strict=True)  # fail at import, not at serve
     return config, sd
