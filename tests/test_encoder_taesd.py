@@ -88,8 +88,9 @@ def test_latent_matches_diffusers(pair, shape) -> None:
 @torch.no_grad()
 def test_tiled_encode_matches_enable_tiling(tmp_path) -> None:
     """diffusers' AutoencoderTiny tiles (4-channel latents only: its tile buffer has 4),
-    128 px tiles on a 200x328 input; they differ from the untiled latent."""
-    ref = _reference(latent_channels=4)
+    128 px tiles on a 200x328 input; they differ from the untiled latent. Narrow (16 wide):
+    the tiles, not the widths, are under test."""
+    ref = _reference(latent_channels=4, encoder_block_out_channels=(16,) * 4)
     ours = _imported(ref, tmp_path, "diffusers")
     x = torch.rand((1, 3, 200, 328), generator=torch.Generator().manual_seed(2)) * 2 - 1
     untiled = ref.encode(x).latents
