@@ -216,5 +216,9 @@ def test_registry_synthetic_and_errors() -> None:
         enc.moments(torch.zeros(1, 4, 16, 16))
     with pytest.raises(ValueError, match="smaller than one latent cell"):
         enc.moments(torch.zeros(1, 3, 1, 16))
+    with pytest.raises(ValueError, match="tile_sample_size"):
+        enc.moments(torch.zeros(1, 3, 64, 80), tiled=True, tile_sample_size=7)
+    with pytest.raises(ValueError, match="last tile"):  # 48-px steps: a 1-px last strip
+        enc.moments(torch.zeros(1, 3, 64, 97), tiled=True, tile_sample_size=64)
     with pytest.raises(KeyError, match="flux"):
         encoder_module("nope")

@@ -63,6 +63,7 @@ class Encoder(EncoderModel):
     def _tiled_moments(self, x: Tensor, tile: int) -> Tensor:
         overlap = self.config["tile_overlap_factor"]
         step = int(tile * (1 - overlap))
+        self._check_tiles(x.shape[-2:], tile, step)
         tile_latent = tile // self.spatial_scale
         blend = int(tile_latent * overlap)
         ys, xs = range(0, x.shape[-2], step), range(0, x.shape[-1], step)
@@ -75,6 +76,22 @@ class Encoder(EncoderModel):
             out_hw=(x.shape[-2], x.shape[-1]),
         )
         return grid.blend([self(x[..., rows, cols]) for rows, cols in grid.tiles])
+
+    def _check_tiles(self, hw: tuple[int, ...], tile: int, step: int) -> None:
+        """Refuse tilings that cannot run (diffusers' raise mid-encode on them)."""
+        scale = self.spatial_scale
+        if tile % scale or tile < 4 * scale or step < scale:
+            raise ValueError(
+                f"flux encoder: tile_sample_size {tile} must be a multiple of "
+                f"{scale} and at least {4 * scale}"
+            )
+        for size in hw:
+            last = size - (size - 1) // step * step  # pixels of the last tile's strip
+            if last < scale:
+                raise ValueError(
+                    f"flux encoder: with {tile} px tiles a {size} px side leaves a {last} px "
+                    "last tile; encode untiled or pick another tile_sample_size"
+                )
 
     def normalize(self, z: Tensor) -> Tensor:
         """FLUX.2: (patchify2x2(z) - bn mean) / bn std, unpatchified (the FLUX.2 pipeline's

@@ -26,9 +26,6 @@ class Encoder(EncoderModel):
     def spatial_scale(self) -> int:
         return 2 ** (len(self.down) - 1)
 
-    def summary(self) -> dict[str, Any]:
-        return {"variant": self.config["variant"], "latent_channels": self.latent_channels}
-
     def moments(self, x: Tensor, tiled: bool = False, **options: Any) -> Tensor:
         if x.ndim != 4 or x.shape[1] != 3:
             raise ValueError(f"taesd encoder: expected pixels [B,3,H,W], got {list(x.shape)}")
