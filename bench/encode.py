@@ -19,6 +19,7 @@ cosine of the latent vs the service's exact float32 encode.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 from pathlib import Path
@@ -94,8 +95,6 @@ def _table(title: str, times: dict[str, float], outputs: dict, exact: torch.Tens
 
 
 def _channels_last(model: nn.Module) -> nn.Module:
-    import copy
-
     return copy.deepcopy(model).to(memory_format=torch.channels_last)
 
 
@@ -103,11 +102,14 @@ def bench_flux(size: int, repeats: int) -> None:
     ours, ref = flux_pair()
     x = torch.rand((1, 3, size, size), generator=torch.Generator().manual_seed(1)) * 2 - 1
     ref_cl, ours_cl = _channels_last(ref), _channels_last(ours)
+    ours_fast = copy.deepcopy(ours)
+    ours_fast.optimize()
     fns = {
         "diffusers fp32": lambda: ref.encode(x).latent_dist.parameters,
         "diffusers fp32+CL": lambda: ref_cl.encode(x).latent_dist.parameters,
         "service exact fp32": lambda: ours.moments(x),
         "service fp32+CL": lambda: ours_cl.moments(x),
+        "service fast fp32 (Winograd)": lambda: ours_fast.moments(x),
     }
     outputs = {name: fn() for name, fn in fns.items()}  # also the warm-up
     times = common.interleaved(fns, CPU, repeats)

@@ -197,6 +197,29 @@ def test_decoder_only_checkpoint_is_refused(tmp_path) -> None:
         flux.convert(tmp_path / "d.safetensors")
 
 
+@torch.no_grad()
+def test_optimized_copy_stays_at_parity() -> None:
+    """``optimize`` (in-place SiLU, Winograd resnet convs at >= 128 channels) on a copy: the
+    same moments to the gate's threshold, and the convs really swapped."""
+    import copy
+
+    config = {**flux.SYNTHETIC["flux1-synthetic"], "block_out_channels": [128, 128]}
+    exact = flux.Encoder(config).eval()
+    flux.init_synthetic(exact, torch.Generator().manual_seed(0))
+    fast = copy.deepcopy(exact)
+    fast.optimize()
+    assert type(fast.down_blocks[0].resnets[0].conv1).__name__ == "WinogradConv2d"
+    x = torch.rand((1, 3, 48, 72), generator=torch.Generator().manual_seed(7)) * 2 - 1
+    assert cosine(fast.moments(x), exact.moments(x)) >= 0.99999
+    assert (
+        cosine(
+            fast.moments(x, tiled=True, tile_sample_size=32),
+            exact.moments(x, tiled=True, tile_sample_size=32),
+        )
+        >= 0.99999
+    )
+
+
 def test_registry_synthetic_and_errors() -> None:
     module = encoder_module("flux")
     config = {

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from app.decoders import ops
+from app.decoders import ops, winograd
 from app.decoders.tiling import Grid
 from app.encoders.flux.model import EncoderModel
 
@@ -124,6 +124,17 @@ class Encoder(EncoderModel):
         h, w = self.latent_hw(height, width)
         attention = (h * w) ** 2 if self.config["mid_block_add_attention"] else 0
         return batch * (full + attention) * element_size
+
+    def optimize(self) -> None:
+        """The decoder's rewrites that apply to the encoder: in-place SiLU (each reads a fresh
+        GroupNorm output) and, on a CPU in float32, the resnets' 3x3 convs by Winograd
+        (``app.decoders.winograd``: not bit-exact, so served behind the gate). The stride-2
+        downsample convs stay direct."""
+        for module in self.modules():
+            if isinstance(module, nn.SiLU):
+                module.inplace = True
+        for resnets in (self.mid_block.resnets, *(b.resnets for b in self.down_blocks)):
+            winograd.prepare(resnets)
 
     def probe_input(self, generator: torch.Generator) -> Tensor:
         # 64 px reaches every layer (8x8 latent) and keeps the gate cheap.
