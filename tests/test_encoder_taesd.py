@@ -101,6 +101,8 @@ def test_tiled_encode_matches_enable_tiling(tmp_path) -> None:
     assert got.shape == expected.shape
     assert cosine(got, expected) >= 0.99999
     assert cosine(untiled, expected) < 0.9999
+    with pytest.raises(ValueError, match="tile_sample_size"):
+        ours.moments(x, tiled=True, tile_sample_size=64)  # a 1-cell ramp: diffusers' NaNs
 
 
 def test_decoder_checkpoint_is_refused(tmp_path) -> None:

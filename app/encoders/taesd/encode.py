@@ -38,6 +38,11 @@ class Encoder(EncoderModel):
         tile = tile or self.config["tile_sample_size"]
         scale = self.spatial_scale
         blend = int(tile * self.config["tile_overlap_factor"])
+        if tile % scale or blend < 2 * scale:  # the ramp needs two cells to rise over
+            raise ValueError(
+                f"taesd encoder: tile_sample_size {tile} must be a multiple of {scale} "
+                f"blending over at least {2 * scale} px"
+            )
         step = tile - blend
         # Weights rise 0 -> 1 over the first blend/scale latent cells of a tile's top/left.
         ramp = (torch.arange(tile // scale) / (blend / scale - 1)).clamp(0, 1).to(x)
