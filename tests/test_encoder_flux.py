@@ -195,6 +195,12 @@ def test_decoder_only_checkpoint_is_refused(tmp_path) -> None:
     save_file({"decoder.conv_in.weight": torch.zeros(4, 16, 3, 3)}, str(tmp_path / "d.safetensors"))
     with pytest.raises(ValueError, match="decoder-only"):
         flux.convert(tmp_path / "d.safetensors")
+    folder = tmp_path / "pipeline" / "vae"  # a diffusers export whose encoder was dropped
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"_class_name": "AutoencoderKL", "latent_channels": 4}')
+    save_file({"decoder.conv_in.weight": torch.zeros(4, 4, 3, 3)}, str(folder / "m.safetensors"))
+    with pytest.raises(ValueError, match="decoder-only"):
+        flux.convert(folder.parent)
 
 
 @torch.no_grad()
