@@ -7,6 +7,7 @@ import importlib
 
 BENCHES = {
     "all": "bench.table",
+    "encode": "bench.encode",
     "flux": "bench.flux",
     "hunyuan-video": "bench.hunyuan_video",
     "ltx": "bench.ltx",

@@ -6,7 +6,10 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-ENCODERS: dict[str, str] = {}
+ENCODERS: dict[str, str] = {
+    "flux": "app.encoders.flux",
+    "taesd": "app.encoders.taesd",
+}
 
 
 def encoder_module(family: str) -> ModuleType:

@@ -1,0 +1,124 @@
+"""FLUX-family encoder checkpoints -> our names (diffusers' ``encoder.*`` minus the prefix,
+plus ``quant_conv.*`` and FLUX.2's ``bn.running_*``).
+
+Layouts: a diffusers ``vae/`` folder (or its pipeline folder) of ``AutoencoderKL`` /
+``AutoencoderKLFlux2``, and Black Forest Labs' / LDM single files (``ae.safetensors``,
+``encoder.down.{i}.block.{j}...``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+from torch import Tensor
+
+from app.decoders import ops
+from app.encoders.flux.model import ENCODER_CONFIG
+
+# BFL / LDM single-file names -> ours, for the parts that are not per down block.
+_LDM_FIXED = {
+    "conv_in": "conv_in",
+    "mid.block_1": "mid_block.resnets.0",
+    "mid.block_2": "mid_block.resnets.1",
+    "mid.attn_1.norm": "mid_block.attentions.0.group_norm",
+    "mid.attn_1.q": "mid_block.attentions.0.to_q",
+    "mid.attn_1.k": "mid_block.attentions.0.to_k",
+    "mid.attn_1.v": "mid_block.attentions.0.to_v",
+    "mid.attn_1.proj_out": "mid_block.attentions.0.to_out.0",
+    "norm_out": "conv_norm_out",
+    "conv_out": "conv_out",
+    "quant_conv": "quant_conv",  # FLUX.2's BFL file keeps it inside the encoder
+}
+_SINGLE_FILE_PREFIXES = ("first_stage_model.", "vae.", "ae.")
+_TOP_LEVEL = ("quant_conv.", "bn.running_mean", "bn.running_var")
+
+
+def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A diffusers ``vae/`` folder (or pipeline folder) or a BFL/LDM single file -> ours.
+    ``ValueError`` when the checkpoint holds no encoder (a decoder-only export)."""
+    source = Path(source)
+    if source.is_dir():
+        return _convert_diffusers_folder(source)
+    return _convert_single_file(source)
+
+
+def _convert_diffusers_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    if not (folder / "config.json").exists() and (folder / "vae" / "config.json").exists():
+        folder = folder / "vae"
+    raw = json.loads((folder / "config.json").read_text())
+    state = ops.read_safetensors_folder(folder)
+    out = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
+    if not out:
+        raise ValueError(f"{folder}: no encoder.* tensors: a decoder-only checkpoint")
+    out.update({k: v for k, v in state.items() if k.startswith(_TOP_LEVEL)})
+    config = {key: raw[key] for key in ENCODER_CONFIG if key in raw}
+    if "scaling_factor" not in raw:  # diffusers' AutoencoderKL default, not FLUX.1's
+        config["scaling_factor"] = 0.18215
+    config["use_quant_conv"] = "quant_conv.weight" in out
+    config["latent_bn"] = "bn.running_mean" in out
+    if config["latent_bn"]:
+        config["batch_norm_eps"] = raw.get("batch_norm_eps", 1e-4)
+        config.update(scaling_factor=None, shift_factor=None)  # FLUX.2 normalises with bn
+    config["source_class"] = raw.get("_class_name", "AutoencoderKL")
+    return config, out
+
+
+def _convert_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    with safe_open(str(path), framework="pt") as f:
+        raw = {k: f.get_tensor(k) for k in f.keys()}
+    for prefix in _SINGLE_FILE_PREFIXES:
+        if any(k.startswith(prefix + "encoder.") for k in raw):
+            raw = {k.removeprefix(prefix): v for k, v in raw.items() if k.startswith(prefix)}
+            break
+    enc = {k.removeprefix("encoder."): v for k, v in raw.items() if k.startswith("encoder.")}
+    if not enc:
+        raise ValueError(f"{path}: no encoder.* tensors: a decoder-only checkpoint")
+    state: dict[str, Tensor] = {}
+    for key, value in enc.items():
+        name, leaf = key.rsplit(".", 1)
+        ours = _ldm_name(name)
+        if ours.startswith("mid_block.attentions.0.to_") and value.ndim == 4:
+            value = value[:, :, 0, 0]  # BFL stores the attention projections as 1x1 convs
+        state[f"{ours}.{leaf}"] = value.contiguous()
+    state.update({k: v for k, v in raw.items() if k.startswith(_TOP_LEVEL)})
+    return _infer_config(state), state
+
+
+def _ldm_name(name: str) -> str:
+    if name in _LDM_FIXED:
+        return _LDM_FIXED[name]
+    for ldm, ours in _LDM_FIXED.items():
+        if name.startswith(ldm + "."):
+            return ours + name[len(ldm) :]
+    parts = name.split(".")  # down.{i}.block.{j}.rest | down.{i}.downsample.conv
+    if parts[0] != "down":
+        raise ValueError(f"unexpected encoder tensor {name!r}")
+    if parts[2] == "block":  # unlike the decoder's up blocks, down indices run in order
+        rest = ".".join(parts[4:]).replace("nin_shortcut", "conv_shortcut")
+        return f"down_blocks.{parts[1]}.resnets.{parts[3]}.{rest}"
+    return f"down_blocks.{parts[1]}.downsamplers.0.{'.'.join(parts[3:])}"
+
+
+def _infer_config(state: dict[str, Tensor]) -> dict[str, Any]:
+    n_down = 1 + max(int(k.split(".")[1]) for k in state if k.startswith("down_blocks."))
+    widths = [state[f"down_blocks.{i}.resnets.0.conv2.weight"].shape[0] for i in range(n_down)]
+    n_res = 1 + max(int(k.split(".")[3]) for k in state if k.startswith("down_blocks.0.resnets."))
+    latent = state["conv_out.weight"].shape[0] // 2
+    config = {
+        **ENCODER_CONFIG,
+        "in_channels": state["conv_in.weight"].shape[1],
+        "latent_channels": latent,
+        "block_out_channels": widths,
+        "layers_per_block": n_res,
+        "mid_block_add_attention": any(k.startswith("mid_block.attentions.") for k in state),
+        "use_quant_conv": "quant_conv.weight" in state,
+        "latent_bn": "bn.running_mean" in state,
+    }
+    if latent != 16:  # FLUX.1's factors are the defaults; others must come from the user
+        config.update(scaling_factor=1.0, shift_factor=0.0)
+    if config["latent_bn"]:
+        config.update(batch_norm_eps=1e-4, scaling_factor=None, shift_factor=None)
+    return config
