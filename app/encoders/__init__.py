@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-ENCODERS: dict[str, str] = {}
+ENCODERS: dict[str, str] = {
+    "ltx": "app.encoders.ltx",
+}
 
 
 def encoder_module(family: str) -> ModuleType:

@@ -1,0 +1,74 @@
+"""What the video encoder families share: diffusers-style spatial tiles (each tile encoded on
+its own, blended in latent space), the per-channel latent normalisation, and reading a
+diffusers ``vae/`` folder's encoder half."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from app.decoders import ops
+from app.decoders.tiling import Grid
+
+ENCODER_PREFIXES = ("encoder.", "quant_conv.")
+
+
+def tiled(run: Callable[[Tensor], Tensor], x: Tensor, ratio: int, size: int, stride: int) -> Tensor:
+    """diffusers' ``tiled_encode``: ``size``-pixel tiles every ``stride`` pixels, each through
+    ``run``; seams blended over ``(size - stride) // ratio`` latent cells in raster order; each
+    tile keeps its top-left ``stride // ratio`` cells; the frame cut to ``H // ratio``."""
+    h, w = x.shape[-2:]
+    ys, xs = range(0, h, stride), range(0, w, stride)
+    grid = Grid(
+        tiles=[(slice(y, y + size), slice(x0, x0 + size)) for y in ys for x0 in xs],
+        columns=len(xs),
+        stride=stride // ratio,
+        blend_extent=size // ratio - stride // ratio,
+        out_hw=(h // ratio, w // ratio),
+    )
+    outs = [run(x[..., rows, cols]) for rows, cols in grid.tiles]
+    return grid.blend(outs)
+
+
+def normalize(z: Tensor, mean: Tensor, std: Tensor, scaling_factor: float = 1.0) -> Tensor:
+    """``(z - mean) * scaling_factor / std`` per channel: the inverse of the decoders'
+    ``z * std / scaling_factor + mean``."""
+    shape = (1, -1) + (1,) * (z.ndim - 2)
+    mean = mean.to(z.device, z.dtype).view(shape)
+    std = std.to(z.device, z.dtype).view(shape)
+    return (z - mean) * scaling_factor / std
+
+
+def latent_stats(config: dict[str, Any], channels: int) -> tuple[Tensor, Tensor]:
+    """The config's ``latents_mean`` / ``latents_std`` (zeros / ones where absent)."""
+    mean = config.get("latents_mean") or [0.0] * channels
+    std = config.get("latents_std") or [1.0] * channels
+    return torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
+
+
+def read_vae_folder(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """A diffusers ``vae/`` folder (or a pipeline folder holding one) -> (its config.json,
+    every tensor). Refuses a folder with no encoder tensors (a decoder-only checkpoint)."""
+    source = Path(source)
+    folder = source / "vae" if (source / "vae" / "config.json").exists() else source
+    if not (folder / "config.json").exists():
+        raise ValueError(f"{source}: no config.json (expected a diffusers vae/ folder)")
+    raw = json.loads((folder / "config.json").read_text())
+    tensors = ops.read_safetensors_folder(folder)
+    if not any(k.startswith("encoder.") for k in tensors):
+        raise ValueError(f"{source}: no encoder.* tensors: a decoder-only checkpoint")
+    return raw, tensors
+
+
+def encoder_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The encoder half in canonical names (diffusers' own ``encoder.*`` / ``quant_conv.*``)."""
+    return {k: v for k, v in tensors.items() if k.startswith(ENCODER_PREFIXES)}
+
+
+def jsonable(config: dict[str, Any]) -> dict[str, Any]:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
