@@ -8,6 +8,7 @@ from types import ModuleType
 
 ENCODERS: dict[str, str] = {
     "ltx": "app.encoders.ltx",
+    "wan": "app.encoders.wan",
 }
 
 

@@ -5,6 +5,7 @@ diffusers ``vae/`` folder's encoder half."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -72,3 +73,18 @@ def encoder_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def jsonable(config: dict[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+
+
+def synthetic_value(name: str, p: Tensor, gen: torch.Generator) -> Tensor:
+    """One parameter's seeded trained-like value: fan-in scaled weights, each residual
+    branch's last conv x0.1, small biases, norm scales near 1."""
+    randn = torch.randn(p.shape, generator=gen)
+    if name.endswith("gamma") or (p.ndim == 1 and "norm" in name and name.endswith("weight")):
+        return 1 + randn * 0.02
+    if name.endswith("bias"):
+        return randn * 0.01
+    fan_in = p[0].numel() if p.ndim > 1 else 1
+    value = randn / math.sqrt(fan_in)
+    if ".conv2." in name or name.endswith("conv2.weight"):
+        value *= 0.1
+    return value

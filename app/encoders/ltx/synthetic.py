@@ -3,12 +3,11 @@ convs, each residual branch's last conv scaled down, small biases."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
-from torch import Tensor
 
+from app.encoders import video
 from app.encoders.ltx.encode import DEFAULTS, LTX2_DEFAULTS, Encoder
 
 SYNTHETIC: dict[str, dict[str, Any]] = {
@@ -35,18 +34,4 @@ SYNTHETIC: dict[str, dict[str, Any]] = {
 def init_synthetic(encoder: Encoder, generator: torch.Generator) -> None:
     with torch.no_grad():
         for name, p in encoder.named_parameters():
-            p.copy_(synthetic_value(name, p, generator))
-
-
-def synthetic_value(name: str, p: Tensor, gen: torch.Generator) -> Tensor:
-    """One parameter's seeded value (shared by the video encoder families)."""
-    randn = torch.randn(p.shape, generator=gen)
-    if p.ndim == 1 and "norm" in name and name.endswith(("weight", "gamma")):
-        return 1 + randn * 0.02
-    if name.endswith("bias"):
-        return randn * 0.01
-    fan_in = p[0].numel() if p.ndim > 1 else 1
-    value = randn / math.sqrt(fan_in)
-    if ".conv2." in name or name.endswith("conv2.weight"):
-        value *= 0.1
-    return value
+            p.copy_(video.synthetic_value(name, p, generator))
