@@ -9,6 +9,7 @@ from types import ModuleType
 ENCODERS: dict[str, str] = {
     "ltx": "app.encoders.ltx",
     "wan": "app.encoders.wan",
+    "hunyuan-video": "app.encoders.hunyuan_video",
 }
 
 

@@ -1,0 +1,137 @@
+"""The HunyuanVideo encoder against diffusers' AutoencoderKLHunyuanVideo.encode (random
+weights, float32): one pass, the reference's temporal windows (its default past 16 frames),
+spatial tiles, both together; 8x and 4x spatial configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import AutoencoderKLHunyuanVideo
+
+from app.encoders import hunyuan_video
+from tests.helpers import report, saved, seeded
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VARIANTS = {
+    "t4": dict(
+        block_out_channels=(8, 16, 16, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        latent_channels=4,
+    ),
+    # 4x space (time and space downsampled together in block 1), no mid attention, two
+    # resnets a block
+    "s4": dict(
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=2,
+        norm_num_groups=2,
+        latent_channels=4,
+        spatial_compression_ratio=4,
+        mid_block_add_attention=False,
+    ),
+}
+
+
+def make_pair(name: str):
+    kwargs = VARIANTS[name]
+    ref = seeded(AutoencoderKLHunyuanVideo, **kwargs)
+    config = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
+    ours = hunyuan_video.Encoder(config).eval()
+    state = {k: v for k, v in ref.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
+    ours.load_state_dict(state)
+    return ref, ours
+
+
+def clip(frames: int, h: int, w: int, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(frames * 1000 + h + w)
+    return torch.rand((batch, 3, frames, h, w), generator=g) * 2 - 1
+
+
+def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
+    expected = ref_dist.parameters
+    assert got.shape == expected.shape
+    assert report(f"{name} moments", got, expected) >= 0.99999
+    assert report(f"{name} mean", got.chunk(2, dim=1)[0], ref_dist.mean) >= 0.99999
+
+
+@pytest.mark.parametrize(
+    "name,shape", [("t4", (9, 16, 24)), ("t4", (1, 16, 16)), ("s4", (9, 16, 8)), ("t4", (21, 8, 8))]
+)
+def test_encode_matches_diffusers(name, shape):
+    """21 frames: the reference's default 17-frame windows every 12 frames."""
+    ref, ours = make_pair(name)
+    x = clip(*shape, batch=2 if shape[0] == 1 else 1)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    got = ours.moments(x)
+    check_moments(f"{name} {shape}", got, expected)
+    assert got.shape[2] == ours.latent_frames(shape[0])
+    assert got.shape[-1] * ours.spatial_scale == shape[-1]
+
+
+@pytest.mark.parametrize("hw", [(8, 8), (40, 48)])
+def test_windows_and_tiles_match_diffusers(hw):
+    """8-frame windows every 4 frames; at 40x48 each window in 32-pixel tiles every 16."""
+    ref, ours = make_pair("t4")
+    opts = dict(
+        tile_sample_frames=8, tile_sample_frame_stride=4, tile_sample_size=32, tile_sample_stride=16
+    )
+    ref.enable_tiling(
+        tile_sample_min_height=32,
+        tile_sample_min_width=32,
+        tile_sample_min_num_frames=8,
+        tile_sample_stride_height=16,
+        tile_sample_stride_width=16,
+        tile_sample_stride_num_frames=4,
+    )
+    x = clip(13, *hw)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    got = ours.moments(x, tiled=True, **opts)
+    check_moments(f"t4 windows+tiles {hw}", got, expected)
+    plain = ours.moments(x, framewise=False)
+    assert plain.shape == got.shape and not torch.allclose(plain, got)
+
+
+def test_tiles_only_match_diffusers():
+    ref, ours = make_pair("s4")
+    ref.enable_tiling(
+        tile_sample_min_height=16,
+        tile_sample_min_width=16,
+        tile_sample_stride_height=8,
+        tile_sample_stride_width=8,
+    )
+    x = clip(9, 24, 32)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    got = ours.moments(x, tiled=True, tile_sample_size=16, tile_sample_stride=8)
+    check_moments("s4 tiles", got, expected)
+
+
+def test_temporal_ratio_8_refused():
+    """diffusers' encoder has an 8x layout, but its VAE cannot be built with one."""
+    with pytest.raises(ValueError, match="temporal_compression_ratio"):
+        hunyuan_video.Encoder({"temporal_compression_ratio": 8})
+
+
+def test_normalize_and_convert(tmp_path):
+    ref, ours = make_pair("t4")
+    z = torch.randn(1, 4, 2, 2, 2)
+    torch.testing.assert_close(ours.normalize(z), z * 0.476986)
+    config, state = hunyuan_video.convert(saved(ref, tmp_path / "vae"))
+    loaded = hunyuan_video.Encoder(config).eval()
+    loaded.load_state_dict(state)
+    x = clip(5, 16, 16)
+    torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(hunyuan_video.SYNTHETIC))
+def test_synthetic_weights(name):
+    enc = hunyuan_video.Encoder(hunyuan_video.SYNTHETIC[name]).eval()
+    hunyuan_video.init_synthetic(enc, torch.Generator().manual_seed(0))
+    x = enc.probe_input(torch.Generator().manual_seed(1))
+    m = enc.moments(x)
+    assert m.shape[1] == 2 * enc.latent_channels
+    assert m.shape[2] == enc.latent_frames(x.shape[2])
+    assert torch.isfinite(m).all() and 0.05 < m.std() < 20
