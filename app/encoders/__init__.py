@@ -10,6 +10,7 @@ ENCODERS: dict[str, str] = {
     "ltx": "app.encoders.ltx",
     "wan": "app.encoders.wan",
     "hunyuan-video": "app.encoders.hunyuan_video",
+    "minimax-h3": "app.encoders.minimax_h3",
 }
 
 
