@@ -54,13 +54,13 @@ LTX2_VARIANTS = {
 }
 
 
-def make_pair(name: str):
+def make_pair(name: str, **extra):
     if name in LTX2_VARIANTS:
-        kwargs = LTX2_VARIANTS[name]
+        kwargs = {**LTX2_VARIANTS[name], **extra}
         ref = seeded(AutoencoderKLLTX2Video, latent_channels=LATENT, **LTX2_DECODER, **kwargs)
         config = {"version": "ltx2"}
     else:
-        kwargs = VARIANTS[name]
+        kwargs = {**VARIANTS[name], **extra}
         ref = seeded(AutoencoderKLLTXVideo, latent_channels=LATENT, **DECODER, **kwargs)
         config = {}
     config.update({k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()})
@@ -123,6 +123,22 @@ def test_tiled_matches_diffusers(name, size, stride, hw):
     check_moments(f"{name} tiled", got, expected)
     plain = ours.moments(x)
     assert not torch.allclose(plain, got)  # the tiles did change the result
+
+
+@pytest.mark.parametrize("name", ["v090", "ltx2"])
+def test_framewise_matches_diffusers(name):
+    """diffusers' temporal windows (use_framewise_decoding): 17-frame windows every 8 frames
+    over 33 frames (blended over one latent frame; the last window one frame long), measured
+    in the config's ratios."""
+    ref, ours = make_pair(name, temporal_compression_ratio=8, spatial_compression_ratio=32)
+    ref.use_framewise_decoding = True
+    ref.enable_tiling(tile_sample_min_num_frames=16, tile_sample_stride_num_frames=8)
+    x = clip(33, 32, 32)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    got = ours.moments(x, framewise=True, tile_sample_frames=16, tile_sample_frame_stride=8)
+    check_moments(f"{name} framewise", got, expected)
+    assert not torch.allclose(ours.moments(x), got)
 
 
 def test_image_input_and_normalize():

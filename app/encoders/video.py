@@ -1,6 +1,6 @@
-"""What the video encoder families share: diffusers-style spatial tiles (each tile encoded on
-its own, blended in latent space), the per-channel latent normalisation, and reading a
-diffusers ``vae/`` folder's encoder half."""
+"""What the video encoder families share: diffusers-style spatial tiles and temporal windows
+(each encoded on its own, blended in latent space), the per-channel latent normalisation,
+reading a diffusers ``vae/`` folder's encoder half, and seeded synthetic weights."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from app.decoders import ops
-from app.decoders.tiling import Grid
+from app.decoders.tiling import Grid, blend_edge
 
 ENCODER_PREFIXES = ("encoder.", "quant_conv.")
 
@@ -34,6 +34,25 @@ def tiled(run: Callable[[Tensor], Tensor], x: Tensor, ratio: int, size: int, str
     )
     outs = [run(x[..., rows, cols]) for rows, cols in grid.tiles]
     return grid.blend(outs)
+
+
+def temporal_windows(
+    run: Callable[[Tensor], Tensor], x: Tensor, ratio: int, size: int, stride: int
+) -> Tensor:
+    """diffusers' ``_temporal_tiled_encode``: windows of ``size + 1`` frames every ``stride``
+    frames, each through ``run``; each window but the first drops its first latent frame and
+    is blended over ``(size - stride) // ratio`` latent frames into the one before; each keeps
+    ``stride // ratio`` latent frames (the first one more); cut to ``(T - 1) // ratio + 1``."""
+    keep, blend = stride // ratio, size // ratio - stride // ratio
+    tiles = []
+    for start in range(0, x.shape[2], stride):
+        tile = run(x[:, :, start : start + size + 1])
+        tiles.append(tile[:, :, 1:] if start else tile)
+    kept = [tiles[0][:, :, : keep + 1]]
+    for prev, tile in zip(tiles[:-1], tiles[1:], strict=True):
+        blend_edge(prev, tile, blend, dim=2)
+        kept.append(tile[:, :, :keep])
+    return torch.cat(kept, 2)[:, :, : (x.shape[2] - 1) // ratio + 1]
 
 
 def normalize(z: Tensor, mean: Tensor, std: Tensor, scaling_factor: float = 1.0) -> Tensor:

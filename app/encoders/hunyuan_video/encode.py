@@ -14,12 +14,12 @@ A clip of ``1 + 4k`` frames gives ``1 + k`` latent frames.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from app.decoders.tiling import blend_edge
 from app.encoders import video
 from app.encoders.base import VAEEncoder
 from app.encoders.hunyuan_video.model import EncoderNet, EncoderSpec, down_strides
@@ -131,16 +131,7 @@ class Encoder(VAEEncoder):
         ratio = int(self.config["temporal_compression_ratio"])
         size = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
         step = int(options.get("tile_sample_frame_stride") or TILE_SAMPLE_FRAME_STRIDE)
-        keep, blend = step // ratio, size // ratio - step // ratio
-        tiles = []
-        for start in range(0, x.shape[2], step):
-            tile = self._frame(x[:, :, start : start + size + 1], options)
-            tiles.append(tile[:, :, 1:] if start else tile)
-        kept = [tiles[0][:, :, : keep + 1]]
-        for prev, tile in zip(tiles[:-1], tiles[1:], strict=True):
-            blend_edge(prev, tile, blend, dim=2)
-            kept.append(tile[:, :, :keep])
-        return torch.cat(kept, 2)[:, :, : (x.shape[2] - 1) // ratio + 1]
+        return video.temporal_windows(partial(self._frame, options=options), x, ratio, size, step)
 
     def normalize(self, z: Tensor) -> Tensor:
         """HunyuanVideo pipelines' ``z * scaling_factor``."""

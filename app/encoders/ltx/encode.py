@@ -5,12 +5,17 @@ Options of ``moments`` / ``encode`` (unknown ones are ignored):
       ``tile_sample_size`` pixels every ``tile_sample_stride`` pixels (default 512 / 448)
       encoded on its own, seams blended in latent space; only where the frame is larger than
       one tile. Approximate (tiles do not see their neighbours): never the default.
+  framewise (bool): diffusers' temporal windows (its ``use_framewise_decoding`` flag, which
+      its encode reads too): a clip longer than ``tile_sample_frames`` (16) frames is encoded
+      in windows of that many + 1 frames every ``tile_sample_frame_stride`` (8) frames,
+      blended over their overlap in latent frames. Approximate: off by default, as there.
 A clip of ``1 + 8k`` frames gives ``1 + k`` latent frames (causal: frame 0 alone).
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -23,6 +28,8 @@ from app.encoders.ltx.model import DOWNSAMPLE_STRIDES, BlockSpec, EncoderNet, En
 VERSION_LTX2 = "ltx2"
 TILE_SAMPLE_SIZE = 512  # diffusers' tile_sample_min_height / _width
 TILE_SAMPLE_STRIDE = 448  # diffusers' tile_sample_stride_height / _width
+TILE_SAMPLE_FRAMES = 16  # diffusers' tile_sample_min_num_frames
+TILE_SAMPLE_FRAME_STRIDE = 8  # diffusers' tile_sample_stride_num_frames
 WORK_CHANNELS = 24  # peak live activations per input pixel: conv_in's output and its inputs
 
 # diffusers' AutoencoderKLLTXVideo defaults for the encoder half (a config.json may omit them)
@@ -149,14 +156,19 @@ class Encoder(VAEEncoder):
                 t = (t + st - 1) // st
         return t
 
+    def _scalings(self) -> int:
+        scaling = self.config["spatio_temporal_scaling"]
+        return sum(scaling) if not isinstance(scaling, bool) else len(self.spec.blocks) * scaling
+
     def _tile_ratio(self) -> int:
         """diffusers' ``spatial_compression_ratio`` (what its tiles are measured in)."""
         ratio = self.config.get("spatial_compression_ratio")
-        if ratio:
-            return int(ratio)
-        scaling = self.config["spatio_temporal_scaling"]
-        count = sum(scaling) if not isinstance(scaling, bool) else len(self.spec.blocks) * scaling
-        return self.spec.patch * 2 ** int(count)
+        return int(ratio) if ratio else self.spec.patch * 2 ** int(self._scalings())
+
+    def _temporal_ratio(self) -> int:
+        """diffusers' ``temporal_compression_ratio`` (what its windows are measured in)."""
+        ratio = self.config.get("temporal_compression_ratio")
+        return int(ratio) if ratio else self.spec.patch_t * 2 ** int(self._scalings())
 
     # --- encoding ------------------------------------------------------------------------
     @torch.no_grad()
@@ -166,13 +178,22 @@ class Encoder(VAEEncoder):
         image = x.ndim == 4
         if image:
             x = x.unsqueeze(2)
+        frames = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
+        if options.get("framewise") and x.shape[2] > frames:
+            step = int(options.get("tile_sample_frame_stride") or TILE_SAMPLE_FRAME_STRIDE)
+            run = partial(self._frame, options=options)
+            m = video.temporal_windows(run, x, self._temporal_ratio(), frames, step)
+        else:
+            m = self._frame(x, options)
+        return m[:, :, 0] if image else m
+
+    def _frame(self, x: Tensor, options: dict[str, Any]) -> Tensor:
+        """One pass, or spatial tiles when asked and the frame is larger than one tile."""
         size = int(options.get("tile_sample_size") or TILE_SAMPLE_SIZE)
         stride = int(options.get("tile_sample_stride") or TILE_SAMPLE_STRIDE)
         if options.get("tiled") and max(x.shape[-2:]) > size:
-            m = video.tiled(self.encoder, x, self._tile_ratio(), size, stride)
-        else:
-            m = self.encoder(x)
-        return m[:, :, 0] if image else m
+            return video.tiled(self.encoder, x, self._tile_ratio(), size, stride)
+        return self.encoder(x)
 
     def normalize(self, z: Tensor) -> Tensor:
         """LTX pipelines' ``_normalize_latents``: (z - mean) * scaling_factor / std."""
