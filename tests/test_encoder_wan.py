@@ -54,6 +54,37 @@ VARIANTS = {
             latents_std=[1.0] * 12,
         ),
     ),
+    # the published channel counts (original single files carry no statistics)
+    "wan2.1-z16": (
+        AutoencoderKLWan,
+        dict(
+            base_dim=8,
+            z_dim=16,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=2,
+            temperal_downsample=[False, True],
+            scale_factor_spatial=4,
+            latents_mean=[0.0] * 16,
+            latents_std=[1.0] * 16,
+        ),
+    ),
+    "wan2.2-z48": (
+        AutoencoderKLWan,
+        dict(
+            base_dim=8,
+            z_dim=48,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[True, True],
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=8,
+            latents_mean=[0.0] * 48,
+            latents_std=[1.0] * 48,
+        ),
+    ),
     "qwen-image": (
         AutoencoderKLQwenImage,
         dict(
@@ -191,3 +222,98 @@ def test_synthetic_weights(name):
     assert m.shape[1] == 2 * enc.latent_channels
     assert m.shape[2] == enc.latent_frames(x.shape[2])
     assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+
+
+# --- original single files -------------------------------------------------------------------
+RESNET_ORIGINAL = {"norm1.": "residual.0.", "conv1.": "residual.2.", "norm2.": "residual.3.",
+                   "conv2.": "residual.6.", "conv_shortcut.": "shortcut."}  # fmt: skip
+TOP_ORIGINAL = {"quant_conv.": "conv1.", "encoder.conv_in.": "encoder.conv1.",
+                "encoder.mid_block.resnets.0.": "encoder.middle.0.",
+                "encoder.mid_block.attentions.0.": "encoder.middle.1.",
+                "encoder.mid_block.resnets.1.": "encoder.middle.2.",
+                "encoder.norm_out.": "encoder.head.0.",
+                "encoder.conv_out.": "encoder.head.2."}  # fmt: skip
+
+
+def _resnet_original(prefix: str, rest: str) -> str:
+    for new, old in RESNET_ORIGINAL.items():
+        if rest.startswith(new):
+            return prefix + old + rest[len(new) :]
+    return prefix + rest
+
+
+def original_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers' encoder names -> the original ``Wan2.x_VAE.pth`` ones (written here from
+    the original code's module structure, independently of app/)."""
+    out = {}
+    for key, value in state.items():
+        top = next((k for k in TOP_ORIGINAL if key.startswith(k)), None)
+        if top is not None:
+            out[_resnet_original(TOP_ORIGINAL[top], key[len(top) :])] = value
+            continue
+        parts = key.split(".")  # encoder.down_blocks.i.<rest>
+        i, rest = parts[2], ".".join(parts[3:])
+        if rest.startswith("resnets."):  # Wan 2.2: Down_ResidualBlock.downsamples.j
+            j, inner = parts[4], ".".join(parts[5:])
+            out[_resnet_original(f"encoder.downsamples.{i}.downsamples.{j}.", inner)] = value
+        elif rest.startswith("downsampler."):  # its resample closes the same Sequential
+            j = len(
+                {
+                    k.split(".")[4]
+                    for k in state
+                    if k.startswith(f"encoder.down_blocks.{i}.resnets.")
+                }
+            )
+            out[f"encoder.downsamples.{i}.downsamples.{j}.{rest[len('downsampler.') :]}"] = value
+        else:
+            out[_resnet_original(f"encoder.downsamples.{i}.", rest)] = value
+    out["decoder.conv1.weight"] = torch.zeros(1)  # the decoder half: dropped by convert
+    return out
+
+
+def test_original_layout_writer_is_diffusers_own():
+    """The writer above agrees with diffusers' single-file converter (Wan 2.1 encoder keys)."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    ref, _ = make_pair("wan2.1-deep")
+    state = {k: v for k, v in ref.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
+    original = original_layout(state)
+    original.pop("decoder.conv1.weight")
+    theirs = convert_wan_vae_to_diffusers(original)
+    assert set(theirs) == set(state)
+    assert all(torch.equal(theirs[k], state[k]) for k in state)
+
+
+def save_original(state: dict, path) -> None:
+    from safetensors.torch import save_file
+
+    original = original_layout(state)
+    if path.suffix == ".pth":
+        torch.save(original, path)
+    else:  # a repack with a prefix, as some single files have
+        save_file({f"vae.{k}": v.contiguous() for k, v in original.items()}, str(path))
+
+
+@pytest.mark.parametrize("name,suffix", [("wan2.1-z16", ".pth"), ("wan2.2-z48", ".safetensors")])
+def test_convert_original_single_file(tmp_path, name, suffix):
+    """The original layout, its config inferred from the shapes, matches diffusers' encode."""
+    ref, ours = make_pair(name)
+    path = tmp_path / f"vae{suffix}"
+    save_original(ours.state_dict(), path)
+    config, loaded_state = wan.convert(path)
+    assert config["variant"] == name.split("-")[0]
+    assert config["latents_std"][0] != 1.0  # the published statistics
+    loaded = wan.Encoder(config).eval()
+    loaded.load_state_dict(loaded_state)
+    x = clip(5, 32, 32)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    check_moments(f"{name} original file", loaded.moments(x), expected)
+
+
+def test_original_file_without_published_statistics_refused(tmp_path):
+    _, ours = make_pair("wan2.1")
+    path = tmp_path / "vae.pth"
+    save_original(ours.state_dict(), path)
+    with pytest.raises(ValueError, match="published"):
+        wan.convert(path)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
 from app.decoders import ops
@@ -83,6 +84,39 @@ def read_vae_folder(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     if not any(k.startswith("encoder.") for k in tensors):
         raise ValueError(f"{source}: no encoder.* tensors: a decoder-only checkpoint")
     return raw, tensors
+
+
+def read_single_file(path: Path, prefixes: tuple[str, ...] = ()) -> dict[str, Tensor]:
+    """Tensors of a safetensors file, or of a pickled ``.pth`` / ``.pt`` / ``.ckpt`` read with
+    ``weights_only=True`` (no code runs; a ``state_dict`` entry is unwrapped); the first of
+    ``prefixes`` that every key has is dropped."""
+    path = Path(path)
+    if path.suffix in (".pth", ".pt", ".ckpt"):
+        loaded = torch.load(str(path), map_location="cpu", weights_only=True)
+        loaded = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: a pickle of {type(loaded).__name__}, not a state dict")
+        tensors = {k: v for k, v in loaded.items() if isinstance(v, Tensor)}
+    else:
+        tensors = load_file(str(path))
+    for prefix in prefixes:
+        if tensors and all(k.startswith(prefix) for k in tensors):
+            return {k[len(prefix) :]: v for k, v in tensors.items()}
+    return tensors
+
+
+def check_state(encoder_cls: Any, config: dict[str, Any], state: dict[str, Tensor], where: Path):
+    """The converted names and shapes must be exactly ``encoder_cls(config)``'s (on meta)."""
+    with torch.device("meta"):
+        expected = {k: v.shape for k, v in encoder_cls(config).state_dict().items()}
+    got = {k: v.shape for k, v in state.items()}
+    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+    bad = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
+    if missing or extra or bad:
+        raise ValueError(
+            f"{where}: the encoder weights do not fit their config: missing {missing[:5]}, "
+            f"unexpected {extra[:5]}, wrong shape {bad[:5]}"
+        )
 
 
 def encoder_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
