@@ -4,6 +4,8 @@ spatial tiles, both together; 8x and 4x spatial configs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from diffusers import AutoencoderKLHunyuanVideo
@@ -135,3 +137,77 @@ def test_synthetic_weights(name):
     assert m.shape[1] == 2 * enc.latent_channels
     assert m.shape[2] == enc.latent_frames(x.shape[2])
     assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+
+
+# --- original checkpoints ------------------------------------------------------------------------
+def original_config(ref) -> dict:
+    """The original ``vae/config.json`` (Tencent's ``AutoencoderKLCausal3D``) of ``ref``."""
+    c = ref.config
+    n = len(c.block_out_channels)
+    return {
+        "_class_name": "AutoencoderKLCausal3D",
+        "act_fn": "silu",
+        "block_out_channels": list(c.block_out_channels),
+        "down_block_types": ["DownEncoderBlockCausal3D"] * n,
+        "up_block_types": ["UpDecoderBlockCausal3D"] * n,
+        "in_channels": 3,
+        "latent_channels": c.latent_channels,
+        "layers_per_block": c.layers_per_block,
+        "norm_num_groups": c.norm_num_groups,
+        "time_compression_ratio": 4,
+        "mid_block_add_attention": c.mid_block_add_attention,
+        "scaling_factor": 0.476986,
+    }
+
+
+@pytest.mark.parametrize("as_folder", [True, False], ids=["folder", "file"])
+def test_convert_original_checkpoint(tmp_path, as_folder):
+    """``pytorch_model.pt`` as hyvideo's load_vae reads it (``state_dict``, ``vae.`` keys,
+    a training leftover) with its config.json."""
+    ref, _ = make_pair("s4")
+    state = {f"vae.{k}": v.contiguous() for k, v in ref.state_dict().items()}
+    torch.save(
+        {"state_dict": {**state, "loss.logvar": torch.zeros(())}}, tmp_path / "pytorch_model.pt"
+    )
+    config = {**original_config(ref), "spatial_compression_ratio": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = tmp_path if as_folder else tmp_path / "pytorch_model.pt"
+    got_config, got_state = hunyuan_video.convert(source)
+    enc = hunyuan_video.Encoder(got_config).eval()
+    enc.load_state_dict(got_state)
+    x = clip(5, 16, 16)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    check_moments("s4 original", enc.moments(x), expected)
+
+
+def test_convert_single_file_without_config(tmp_path):
+    """A lone repack: the config from the shapes and the published values (32 groups)."""
+    from safetensors.torch import save_file
+
+    ref = seeded(
+        AutoencoderKLHunyuanVideo,
+        block_out_channels=(32, 32, 64, 64),
+        layers_per_block=1,
+        latent_channels=16,
+    )
+    path = tmp_path / "hunyuan_video_vae.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
+    config, state = hunyuan_video.convert(path)
+    assert config["block_out_channels"] == [32, 32, 64, 64] and config["norm_num_groups"] == 32
+    enc = hunyuan_video.Encoder(config).eval()
+    enc.load_state_dict(state)
+    x = clip(5, 16, 16)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    check_moments("repack", enc.moments(x), expected)
+
+
+def test_decoder_only_checkpoint_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    ref, _ = make_pair("t4")
+    decoder = {k: v.contiguous() for k, v in ref.state_dict().items() if k.startswith("decoder.")}
+    save_file(decoder, str(tmp_path / "vae.safetensors"))
+    with pytest.raises(ValueError, match="decoder-only"):
+        hunyuan_video.convert(tmp_path / "vae.safetensors")
