@@ -211,3 +211,18 @@ def test_decoder_only_checkpoint_refused(tmp_path):
     save_file(decoder, str(tmp_path / "vae.safetensors"))
     with pytest.raises(ValueError, match="decoder-only"):
         hunyuan_video.convert(tmp_path / "vae.safetensors")
+
+
+@pytest.mark.parametrize("config,shape", [({}, (1, 3, 17, 256, 256)), ({}, (1, 3, 9, 128, 256))])
+def test_working_bytes_cover_the_measured_peak(config, shape):
+    """The memory plan's estimate against the peak live tensor bytes of an encode of the
+    published architecture, measured on the meta device: enough, and not wildly more."""
+    from bench.meta_memory import live_peak
+
+    with torch.device("meta"):
+        enc = hunyuan_video.Encoder(config).eval()
+    x = torch.empty(shape, device="meta")
+    peak = live_peak(lambda: enc.moments(x))
+    estimate = enc.working_bytes(shape, 4)
+    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
+    assert peak <= estimate <= 1.5 * peak

@@ -140,3 +140,18 @@ def test_synthetic_weights(name):
     assert m.shape[1] == 2 * enc.latent_channels
     assert m.shape[2] == enc.latent_frames(x.shape[2])
     assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+
+
+@pytest.mark.parametrize("config,shape", [({}, (1, 3, 17, 256, 256)), ({}, (1, 3, 17, 512, 384))])
+def test_working_bytes_cover_the_measured_peak(config, shape):
+    """The memory plan's estimate against the peak live tensor bytes of an encode of the
+    published architecture, measured on the meta device: enough, and not wildly more."""
+    from bench.meta_memory import live_peak
+
+    with torch.device("meta"):
+        enc = minimax_h3.Encoder(config).eval()
+    x = torch.empty(shape, device="meta")
+    peak = live_peak(lambda: enc.moments(x))
+    estimate = enc.working_bytes(shape, 4)
+    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
+    assert peak <= estimate <= 1.5 * peak

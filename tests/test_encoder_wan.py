@@ -317,3 +317,24 @@ def test_original_file_without_published_statistics_refused(tmp_path):
     save_original(ours.state_dict(), path)
     with pytest.raises(ValueError, match="published"):
         wan.convert(path)
+
+
+@pytest.mark.parametrize(
+    "config,shape",
+    [
+        ({}, (1, 3, 33, 256, 256)),
+        (wan.SYNTHETIC["wan2.2-tiny"] | {"base_dim": 160}, (1, 3, 17, 256, 256)),
+    ],
+)
+def test_working_bytes_cover_the_measured_peak(config, shape):
+    """The memory plan's estimate against the peak live tensor bytes of an encode of the
+    published architecture, measured on the meta device: enough, and not wildly more."""
+    from bench.meta_memory import live_peak
+
+    with torch.device("meta"):
+        enc = wan.Encoder(config).eval()
+    x = torch.empty(shape, device="meta")
+    peak = live_peak(lambda: enc.moments(x))
+    estimate = enc.working_bytes(shape, 4)
+    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
+    assert peak <= estimate <= 1.5 * peak

@@ -29,7 +29,9 @@ TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
 TILE_SAMPLE_STRIDE = 192  # diffusers' tile_sample_stride_height / _width
 TILE_SAMPLE_FRAMES = 16  # diffusers' tile_sample_min_num_frames
 TILE_SAMPLE_FRAME_STRIDE = 12  # diffusers' tile_sample_stride_num_frames
-WORK_CHANNELS = 4  # live activations per input pixel in units of the first width
+# peak live values per input pixel of a window, in units of the first width: measured on
+# the meta device (docs/encoders.md)
+WORK_CHANNELS = 6.5
 
 # diffusers' AutoencoderKLHunyuanVideo defaults for the encoder half
 DEFAULTS: dict[str, Any] = {

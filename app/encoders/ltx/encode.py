@@ -30,7 +30,9 @@ TILE_SAMPLE_SIZE = 512  # diffusers' tile_sample_min_height / _width
 TILE_SAMPLE_STRIDE = 448  # diffusers' tile_sample_stride_height / _width
 TILE_SAMPLE_FRAMES = 16  # diffusers' tile_sample_min_num_frames
 TILE_SAMPLE_FRAME_STRIDE = 8  # diffusers' tile_sample_stride_num_frames
-WORK_CHANNELS = 24  # peak live activations per input pixel: conv_in's output and its inputs
+# peak live values per input pixel beyond 3x the stem's (conv_in's output and its inputs):
+# measured on the meta device (docs/encoders.md)
+WORK_CHANNELS = 30
 
 # diffusers' AutoencoderKLLTXVideo defaults for the encoder half (a config.json may omit them)
 DEFAULTS: dict[str, Any] = {

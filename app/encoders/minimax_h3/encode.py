@@ -28,7 +28,9 @@ from app.encoders.minimax_h3.model import EncoderNet, EncoderSpec
 
 TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
 TILE_SAMPLE_OVERLAP = 64  # diffusers' tile_sample_min_overlap_height / _width
-WORK_CHANNELS = 4  # live activations per input pixel in units of the first width
+# peak live values per input pixel of a tile clip, in units of the first width: measured
+# on the meta device (docs/encoders.md)
+WORK_CHANNELS = 6.5
 
 # diffusers' AutoencoderKLMiniMaxH3 defaults for the encoder half
 DEFAULTS: dict[str, Any] = {

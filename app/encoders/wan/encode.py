@@ -19,16 +19,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from app.decoders.wan.model import CausalConv3d, Stream
+from app.decoders.wan.model import CausalConv3d
 from app.encoders import video
 from app.encoders.base import VAEEncoder
-from app.encoders.wan.model import EncoderNet, EncoderSpec, patchify
+from app.encoders.wan.model import EncoderNet, EncoderSpec, EncoderStream, patchify
 
 CHUNK = 4  # frames per cached step of the reference (after the first frame)
 DEFAULT_CHUNK_FRAMES = 16
 TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
 TILE_SAMPLE_STRIDE = 192  # diffusers' tile_sample_stride_height / _width
-WORK_CHANNELS = 6  # live activations per input pixel in units of base_dim (conv_in's stage)
+# peak live values per (patchified) input pixel of a chunk, in units of base_dim: measured
+# on the meta device (docs/encoders.md)
+WORK_CHANNELS = 7
 
 # diffusers' AutoencoderKLWan defaults for the encoder half (a config.json may omit them)
 DEFAULTS: dict[str, Any] = {
@@ -124,7 +126,7 @@ class Encoder(VAEEncoder):
 
     def _stream(self, x: Tensor, chunk: int) -> Tensor:
         """The clip through the encoder in frame chunks (``1 + chunk``, then ``chunk``)."""
-        s = Stream()
+        s = EncoderStream()
         step = chunk or x.shape[2]
         starts = [0, *range(1 + step, x.shape[2], step)] if chunk else [0]
         ends = [*starts[1:], x.shape[2]]

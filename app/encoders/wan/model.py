@@ -39,6 +39,16 @@ from app.decoders.wan.model import (
 )
 
 
+class EncoderStream(Stream):
+    """The decoder family's ``Stream`` with each carry copied out of its chunk: a view would
+    keep every conv's whole padded input alive until the next chunk (long chunks here)."""
+
+    def causal(self, conv: nn.Module, x: Tensor, frames: int) -> Tensor:
+        seq = super().causal(conv, x, frames)
+        self.carry[conv] = self.carry[conv].clone()
+        return seq
+
+
 @dataclass(frozen=True)
 class EncoderSpec:
     in_channels: int  # conv_in's (after patchify: 12 in Wan 2.2)
@@ -77,7 +87,7 @@ class Downsampler(nn.Module):
             seq = x
         else:
             seq = torch.cat([s.carry[self], x], 2)
-        s.carry[self] = seq[:, :, -1:]
+        s.carry[self] = seq[:, :, -1:].clone()
         if seq.shape[2] >= 3:
             out.append(conv3d(seq, self.time_conv))
         return torch.cat(out, 2) if len(out) > 1 else out[0]
