@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from diffusers import AutoencoderKLLTX2Video, AutoencoderKLLTXVideo
@@ -23,6 +25,12 @@ VARIANTS = {
     # 0.9.0/0.9.1: stride-2 convs, channel-changing resnets closing each block
     "v090": dict(
         block_out_channels=(8, 16, 16, 16),
+        layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, True, False),
+    ),
+    # the published 0.9.0 block list (Lightricks: res, down, res_x_y twice, res, down, res, mid)
+    "v090-published": dict(
+        block_out_channels=(8, 16, 32, 32),
         layers_per_block=(1, 1, 1, 1, 1),
         spatio_temporal_scaling=(True, True, True, False),
     ),
@@ -188,3 +196,85 @@ def test_working_bytes_cover_the_measured_peak(config, shape):
     estimate = enc.working_bytes(shape, 4)
     print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
     assert peak <= estimate <= 1.5 * peak
+
+
+# --- Lightricks single files -----------------------------------------------------------------
+def lightricks_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers' encoder names -> a Lightricks single file's (``vae.encoder.down_blocks.N``:
+    each block's resnet group, its downsampler, its channel-changing resnet, then the mid)."""
+    blocks = sorted({int(k.split(".")[2]) for k in state if k.startswith("encoder.down_blocks.")})
+    targets, n = {}, 0
+    for b in blocks:
+        for part in ("resnets.", "downsamplers.0.", "conv_out."):
+            prefix = f"encoder.down_blocks.{b}.{part}"
+            if any(k.startswith(prefix) for k in state):
+                targets[prefix] = f"encoder.down_blocks.{n}." + (
+                    "res_blocks." if part == "resnets." else ""
+                )
+                n += 1
+    targets["encoder.mid_block.resnets."] = f"encoder.down_blocks.{n}.res_blocks."
+    out = {}
+    for key, value in state.items():
+        for prefix, new in targets.items():
+            if key.startswith(prefix):
+                key = new + key[len(prefix) :]
+                break
+        key = key.replace("conv_shortcut.conv.", "conv_shortcut.").replace("norm3.", "norm3.norm.")
+        out[f"vae.{key}"] = value.contiguous()
+    out["vae.decoder.conv_in.conv.weight"] = torch.zeros(1)  # the decoder half: not read
+    out["vae.per_channel_statistics.mean-of-means"] = torch.linspace(-1, 1, LATENT)
+    out["vae.per_channel_statistics.std-of-means"] = torch.linspace(0.5, 2, LATENT)
+    out["model.diffusion_model.x"] = torch.zeros(1)  # the transformer: not read
+    return out
+
+
+def test_lightricks_writer_is_diffusers_own():
+    """The writer agrees with diffusers' single-file converters (0.9.0 and LTX-2 layouts)."""
+    from diffusers.loaders.single_file_utils import (
+        convert_ltx2_vae_to_diffusers,
+        convert_ltx_vae_checkpoint_to_diffusers,
+    )
+
+    for name, fn in [("v090-published", convert_ltx_vae_checkpoint_to_diffusers),
+                     ("ltx2", convert_ltx2_vae_to_diffusers)]:  # fmt: skip
+        ref, _ = make_pair(name)
+        state = {k: v for k, v in ref.state_dict().items() if k.startswith("encoder.")}
+        original = {k: v for k, v in lightricks_layout(state).items() if ".encoder." in k}
+        theirs = fn(original)
+        assert {k: v.shape for k, v in theirs.items()} == {k: v.shape for k, v in state.items()}
+
+
+@pytest.mark.parametrize("name", ["v090-published", "v095", "ltx2"])
+def test_convert_lightricks_single_file(tmp_path, name):
+    """The Lightricks layout, its config inferred from the shapes, matches diffusers' encode."""
+    from safetensors.torch import save_file
+
+    ref, ours = make_pair(name)
+    path = tmp_path / "ltx-video.safetensors"
+    causal = {"causal": False} if name == "v095" else {}
+    save_file(lightricks_layout(ours.state_dict()), str(path),
+              metadata={"config": json.dumps({"vae": causal})})  # fmt: skip
+    config, state = ltx.convert(path)
+    assert config["latents_std"][-1] == 2.0
+    loaded = ltx.Encoder(config).eval()
+    loaded.load_state_dict(state)
+    x = clip(9, 32, 32)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    check_moments(f"{name} lightricks file", loaded.moments(x), expected)
+
+
+def test_decoder_only_files_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"vae.decoder.conv_in.conv.weight": torch.zeros(1)}, str(tmp_path / "d.safetensors"))
+    with pytest.raises(ValueError, match="decoder-only"):
+        ltx.convert(tmp_path / "d.safetensors")
+    ref, _ = make_pair("v090")
+    folder = saved(ref, tmp_path / "vae")
+    save_file(
+        {k: v.contiguous() for k, v in ref.state_dict().items() if k.startswith("decoder.")},
+        str(folder / "diffusion_pytorch_model.safetensors"),
+    )
+    with pytest.raises(ValueError, match="decoder-only"):
+        ltx.convert(folder)
