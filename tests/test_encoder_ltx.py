@@ -34,6 +34,13 @@ VARIANTS = {
         layers_per_block=(1, 1, 1, 1, 1),
         spatio_temporal_scaling=(True, True, True, False),
     ),
+    "v095-causal": dict(
+        block_out_channels=(8, 16, 32, 32, 32),
+        down_block_types=("LTXVideo095DownBlock3D",) * 4,
+        spatio_temporal_scaling=(True, True, True, True),
+        layers_per_block=(1, 1, 1, 1, 1),
+        downsample_type=("temporal", "spatial", "conv", "spatiotemporal"),
+    ),
     # 0.9.5+: space-to-depth downsamplers of each kind and one conv, non-causal, patch 2
     "v095": dict(
         block_out_channels=(8, 16, 32, 32, 32),
@@ -147,6 +154,26 @@ def test_framewise_matches_diffusers(name):
     got = ours.moments(x, framewise=True, tile_sample_frames=16, tile_sample_frame_stride=8)
     check_moments(f"{name} framewise", got, expected)
     assert not torch.allclose(ours.moments(x), got)
+
+
+@pytest.mark.parametrize("name", ["v090", "v095-causal", "ltx2", "ltx2-reflect"])
+def test_causal_stream_is_exact(name):
+    """Frame chunks with carried state (1 + chunk, then chunk frames) == one pass ==
+    diffusers' encode; a non-causal encoder does not stream."""
+    ref, ours = make_pair(name)
+    scale = ours.temporal_scale
+    x = clip(1 + 3 * scale, 2 * ours.spatial_scale, 2 * ours.spatial_scale)
+    whole = ours.moments(x)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    for chunk in (scale, 2 * scale):
+        streamed = ours.moments(x, chunk_frames=chunk)
+        torch.testing.assert_close(streamed, whole, rtol=0, atol=2e-6)
+        check_moments(f"{name} chunk={chunk}", streamed, expected)
+    with pytest.raises(ValueError, match="multiple of"):
+        ours.moments(x, chunk_frames=scale + 1)
+    _, noncausal = make_pair("v095")
+    assert not noncausal.streams
 
 
 def test_image_input_and_normalize():

@@ -9,6 +9,10 @@ Options of ``moments`` / ``encode`` (unknown ones are ignored):
       its encode reads too): a clip longer than ``tile_sample_frames`` (16) frames is encoded
       in windows of that many + 1 frames every ``tile_sample_frame_stride`` (8) frames,
       blended over their overlap in latent frames. Approximate: off by default, as there.
+  chunk_frames (int): a causal encoder (``encoder_causal``, no temporal patch) runs as a
+      stream of frame chunks, ``1 + chunk_frames`` frames then ``chunk_frames`` at a time (a
+      multiple of ``temporal_scale``; 0 / unset: one pass, as the reference): exact, with
+      memory flat in clip length; not with ``framewise`` or ``tiled``.
 A clip of ``1 + 8k`` frames gives ``1 + k`` latent frames (causal: frame 0 alone).
 """
 
@@ -23,7 +27,13 @@ from torch import Tensor, nn
 
 from app.encoders import video
 from app.encoders.base import VAEEncoder
-from app.encoders.ltx.model import DOWNSAMPLE_STRIDES, BlockSpec, EncoderNet, EncoderSpec
+from app.encoders.ltx.model import (
+    DOWNSAMPLE_STRIDES,
+    BlockSpec,
+    EncoderNet,
+    EncoderSpec,
+    Stream,
+)
 
 VERSION_LTX2 = "ltx2"
 TILE_SAMPLE_SIZE = 512  # diffusers' tile_sample_min_height / _width
@@ -181,13 +191,34 @@ class Encoder(VAEEncoder):
         if image:
             x = x.unsqueeze(2)
         frames = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
-        if options.get("framewise") and x.shape[2] > frames:
+        chunk = int(options.get("chunk_frames") or 0)
+        if chunk and self.streams and not (options.get("framewise") or options.get("tiled")):
+            m = self._stream(x, chunk)
+        elif options.get("framewise") and x.shape[2] > frames:
             step = int(options.get("tile_sample_frame_stride") or TILE_SAMPLE_FRAME_STRIDE)
             run = partial(self._frame, options=options)
             m = video.temporal_windows(run, x, self._temporal_ratio(), frames, step)
         else:
             m = self._frame(x, options)
         return m[:, :, 0] if image else m
+
+    @property
+    def streams(self) -> bool:
+        """Whether the encoder can run as a stream of frame chunks (causal, no time patch)."""
+        return self.spec.causal and self.spec.patch_t == 1
+
+    def _stream(self, x: Tensor, chunk: int) -> Tensor:
+        if chunk % self.temporal_scale:
+            raise ValueError(f"chunk_frames {chunk}: a multiple of {self.temporal_scale}")
+        if (x.shape[2] - 1) % self.temporal_scale:
+            raise ValueError(
+                f"{x.shape[2]} frames: a stream needs 1 + k * {self.temporal_scale} frames"
+            )
+        s = Stream()
+        starts = [0, *range(1 + chunk, x.shape[2], chunk)]
+        ends = [*starts[1:], x.shape[2]]
+        outs = [self.encoder(x[:, :, a:b], s) for a, b in zip(starts, ends, strict=True)]
+        return torch.cat(outs, 2) if len(outs) > 1 else outs[0]
 
     def _frame(self, x: Tensor, options: dict[str, Any]) -> Tensor:
         """One pass, or spatial tiles when asked and the frame is larger than one tile."""

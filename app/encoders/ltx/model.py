@@ -14,14 +14,17 @@ Down block kinds (``down_block_types`` / ``downsample_type``):
       ``spatiotemporal`` (2,2,2)) whose residual is the input's own space-to-depth averaged
       over channel groups; the width changes there.
 Every 3x3x3 conv pads time with edge frames (2 on the left when causal, 1 each side when not)
-and space with zeros (LTX-2: ``encoder_spatial_padding_mode``). LTX-2 differs further in its
+and space with zeros (LTX-2: ``encoder_spatial_padding_mode``). Every other layer is
+frame-local, so a causal encoder also runs as a stream of frame chunks (``Stream``: each conv
+carries the frames its next window needs, the first chunk's first frame repeated before it);
+exact for a first chunk of ``1 + k * temporal_scale`` frames and then whole multiples. LTX-2 differs further in its
 ``conv_in`` (to ``latent_channels`` wide), its plain 1x1 shortcuts and its resnet norms
 (RMSNorm over channels either way: the decoder family's ``RMSNorm``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +65,21 @@ class EncoderSpec:
     plain_shortcut: bool  # LTX-2: nn.Conv3d shortcut (0.9.x: a causal conv wrapper)
 
 
+@dataclass
+class Stream:
+    """The temporal state of a causal encode run over frame chunks: each conv's unconsumed
+    frames, and which layers have seen the stream's first chunk."""
+
+    carry: dict[nn.Module, Tensor] = field(default_factory=dict)
+    started: set[nn.Module] = field(default_factory=set)
+
+    def first_call(self, module: nn.Module) -> bool:
+        if module in self.started:
+            return False
+        self.started.add(module)
+        return True
+
+
 # --- layers -------------------------------------------------------------------------------
 class CausalConv3d(nn.Module):
     """Conv3d with time padded by repeating edge frames (``.conv`` holds diffusers' weights)."""
@@ -83,7 +101,9 @@ class CausalConv3d(nn.Module):
         self.kt = kernel
         self.causal = causal
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+        if self.kt > 1 and s is not None:
+            return self._streamed(x, s)
         if self.kt > 1:
             left = self.kt - 1 if self.causal else (self.kt - 1) // 2
             right = 0 if self.causal else (self.kt - 1) // 2
@@ -91,9 +111,26 @@ class CausalConv3d(nn.Module):
             if right:
                 parts.append(x[:, :, -1:].expand(-1, -1, right, -1, -1))
             x = torch.cat(parts, 2)
+        return self._run(x)
+
+    def _run(self, x: Tensor) -> Tensor:
         if self.conv.padding_mode != "zeros":  # nn.Conv3d pads H, W itself
             return self.conv(x)
         return conv3d(x, self.conv)
+
+    def _streamed(self, x: Tensor, s: Stream) -> Tensor:
+        """Causal only: the carried frames (at the start: the first frame repeated) + ``x``;
+        what the next window still needs is carried on (copied, not a view of the chunk)."""
+        prev = s.carry.get(self)
+        if prev is None:
+            prev = x[:, :, :1].expand(-1, -1, self.kt - 1, -1, -1)
+        seq = torch.cat([prev, x], 2)
+        if seq.shape[2] < self.kt:
+            raise ValueError(f"a chunk of {x.shape[2]} frames is too short to stream")
+        st = self.conv.stride[0]
+        windows = (seq.shape[2] - self.kt) // st + 1
+        s.carry[self] = seq[:, :, windows * st :].clone()
+        return self._run(seq[:, :, : (windows - 1) * st + self.kt])
 
 
 class ResnetBlock(nn.Module):
@@ -116,9 +153,9 @@ class ResnetBlock(nn.Module):
             else:
                 self.conv_shortcut = CausalConv3d(cin, cout, 1, spec.causal)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.conv1(self.nonlinearity(self.norm1(x)))
-        h = self.conv2(self.nonlinearity(self.norm2(h)))
+    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+        h = self.conv1(self.nonlinearity(self.norm1(x)), s)
+        h = self.conv2(self.nonlinearity(self.norm2(h)), s)
         if self.norm3 is not None:
             x = self.norm3(x.movedim(1, -1)).movedim(-1, 1)
         if self.conv_shortcut is not None:
@@ -146,11 +183,12 @@ class SpaceToDepthDownsampler(nn.Module):
         width = cout // (stride[0] * stride[1] * stride[2])
         self.conv = _conv(cin, width, spec)
 
-    def forward(self, x: Tensor) -> Tensor:
-        x = torch.cat([x[:, :, : self.stride[0] - 1], x], 2)
+    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+        if s is None or s.first_call(self):  # chunks after the first are whole groups
+            x = torch.cat([x[:, :, : self.stride[0] - 1], x], 2)
         skip = space_to_depth(x, self.stride)
         skip = skip.unflatten(1, (-1, self.group)).mean(2)
-        return space_to_depth(self.conv(x), self.stride) + skip
+        return space_to_depth(self.conv(x, s), self.stride) + skip
 
 
 class DownBlock(nn.Module):
@@ -168,13 +206,13 @@ class DownBlock(nn.Module):
             )
         self.conv_out = ResnetBlock(b.cin, b.cout, spec) if b.conv_out else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
         for resnet in self.resnets:
-            x = resnet(x)
+            x = resnet(x, s)
         if self.downsamplers is not None:
-            x = self.downsamplers[0](x)
+            x = self.downsamplers[0](x, s)
         if self.conv_out is not None:
-            x = self.conv_out(x)
+            x = self.conv_out(x, s)
         return x
 
 
@@ -183,9 +221,9 @@ class MidBlock(nn.Module):
         super().__init__()
         self.resnets = nn.ModuleList(ResnetBlock(ch, ch, spec) for _ in range(layers))
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
         for resnet in self.resnets:
-            x = resnet(x)
+            x = resnet(x, s)
         return x
 
 
@@ -231,10 +269,11 @@ class EncoderNet(nn.Module):
         self.conv_out = _conv(spec.mid_channels, spec.latent_channels + 1, spec)
         self.shared_logvar = SharedLogvar()
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.conv_in(self.patchify(x))
+    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+        """The whole clip (``s`` None), or the next chunk of a causal stream ``s``."""
+        h = self.conv_in(self.patchify(x), s)
         for block in self.down_blocks:
-            h = block(h)
-        h = self.mid_block(h)
-        h = self.conv_out(self.conv_act(self.norm_out(h)))
+            h = block(h, s)
+        h = self.mid_block(h, s)
+        h = self.conv_out(self.conv_act(self.norm_out(h)), s)
         return self.shared_logvar(h)
