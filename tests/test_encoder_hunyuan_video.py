@@ -226,3 +226,12 @@ def test_working_bytes_cover_the_measured_peak(config, shape):
     estimate = enc.working_bytes(shape, 4)
     print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
     assert peak <= estimate <= 1.5 * peak
+
+
+def test_bad_input_is_a_value_error():
+    enc = hunyuan_video.Encoder(hunyuan_video.SYNTHETIC[next(iter(hunyuan_video.SYNTHETIC))]).eval()
+    s = enc.spatial_scale
+    with pytest.raises(ValueError, match="multiples of"):
+        enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
+    with pytest.raises(ValueError, match="expected"):
+        enc.moments(torch.zeros(1, 4, 1, s, s))

@@ -305,3 +305,12 @@ def test_decoder_only_files_refused(tmp_path):
     )
     with pytest.raises(ValueError, match="decoder-only"):
         ltx.convert(folder)
+
+
+def test_bad_input_is_a_value_error():
+    enc = ltx.Encoder(ltx.SYNTHETIC[next(iter(ltx.SYNTHETIC))]).eval()
+    s = enc.spatial_scale
+    with pytest.raises(ValueError, match="multiples of"):
+        enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
+    with pytest.raises(ValueError, match="expected"):
+        enc.moments(torch.zeros(1, 4, 1, s, s))

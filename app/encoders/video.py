@@ -20,6 +20,19 @@ from app.decoders.tiling import Grid, blend_edge
 ENCODER_PREFIXES = ("encoder.", "quant_conv.")
 
 
+def check_input(x: Tensor, channels: int, multiple: int) -> None:
+    """``x`` is ``[B, channels, H, W]`` or ``[B, channels, T, H, W]`` with H and W multiples of
+    ``multiple`` (what the encoder maps onto whole latent cells); a ValueError says what not."""
+    if x.ndim not in (4, 5) or x.shape[1] != channels:
+        raise ValueError(
+            f"input of shape {list(x.shape)}: expected [B, {channels}, H, W] or "
+            f"[B, {channels}, T, H, W]"
+        )
+    h, w = x.shape[-2:]
+    if h % multiple or w % multiple or not h or not w:
+        raise ValueError(f"frame {h}x{w}: height and width must be multiples of {multiple}")
+
+
 def tiled(run: Callable[[Tensor], Tensor], x: Tensor, ratio: int, size: int, stride: int) -> Tensor:
     """diffusers' ``tiled_encode``: ``size``-pixel tiles every ``stride`` pixels, each through
     ``run``; seams blended over ``(size - stride) // ratio`` latent cells in raster order; each

@@ -114,6 +114,7 @@ class Encoder(VAEEncoder):
     def moments(self, x: Tensor, **options: Any) -> Tensor:
         weight = self.quant_conv.weight
         x = x.to(device=weight.device, dtype=weight.dtype)
+        video.check_input(x, self.spec.in_channels, self.spatial_scale)
         image = x.ndim == 4
         if image:
             x = x.unsqueeze(2)
@@ -151,6 +152,11 @@ class Encoder(VAEEncoder):
         size_hw = (lys[-1] + th, lxs[-1] + tw)
         lyo, lxo = [o // ratio for o in yo], [o // ratio for o in xo]
         return stitch_tiles(tiles, (lys, lxs), (lyo, lxo), size_hw)
+
+    def keeps_float32(self, name: str) -> bool:
+        """Every parameter: the reference pins its encoder and quant_conv to float32
+        (``_keep_in_fp32_modules``) whatever the pipeline's dtype."""
+        return True
 
     def normalize(self, z: Tensor) -> Tensor:
         """The MiniMax-H3 pipeline's ``(z - latents_mean) / latents_std``."""
