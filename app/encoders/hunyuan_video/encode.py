@@ -105,8 +105,8 @@ class Encoder(VAEEncoder):
     @torch.no_grad()
     def moments(self, x: Tensor, **options: Any) -> Tensor:
         weight = self.quant_conv.weight
-        x = x.to(device=weight.device, dtype=weight.dtype)
         video.check_input(x, self.spec.in_channels, self.spatial_scale)
+        x = x.to(device=weight.device, dtype=weight.dtype)
         image = x.ndim == 4
         if image:
             x = x.unsqueeze(2)
