@@ -95,7 +95,6 @@ class Decoder(VAEDecoder):
         # a 1x1 conv and an upsample: its output and little else, 16 values per output pixel
         return 16 * self.output_values(latent_shape) // 3 * element_size
 
-
     @property
     def spatial_scale(self) -> int:
         return int(self.config["scale"])

@@ -9,6 +9,10 @@ from types import ModuleType
 ENCODERS: dict[str, str] = {
     "flux": "app.encoders.flux",
     "taesd": "app.encoders.taesd",
+    "ltx": "app.encoders.ltx",
+    "wan": "app.encoders.wan",
+    "hunyuan-video": "app.encoders.hunyuan_video",
+    "minimax-h3": "app.encoders.minimax_h3",
 }
 
 

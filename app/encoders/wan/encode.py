@@ -1,0 +1,163 @@
+"""The Wan encoder family: ``Encoder`` over ``model.EncoderNet`` (Wan 2.1, Wan 2.2 TI2V,
+Qwen-Image), streamed over frame chunks with the causal convs' carries.
+
+Options of ``moments`` / ``encode`` (unknown ones are ignored):
+  chunk_frames (int): input frames per temporal chunk after the first ``1 + chunk_frames``
+      (a multiple of 4; default 16; 0 = the whole clip at once). Exact either way.
+  tiled (bool): diffusers' spatial tiles (``enable_tiling``), ``tile_sample_size`` /
+      ``tile_sample_stride`` pixels (default 256 / 192, of the patchified frame in Wan 2.2,
+      as the reference measures them); only where the frame is larger than one tile.
+Frames: the reference encodes ``1 + 4k`` frames (the rest are dropped) into
+``1 + 4k / temporal_scale`` latent frames.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from app.decoders.wan.model import CausalConv3d
+from app.encoders import video
+from app.encoders.base import VAEEncoder
+from app.encoders.wan.model import EncoderNet, EncoderSpec, EncoderStream, patchify
+
+CHUNK = 4  # frames per cached step of the reference (after the first frame)
+DEFAULT_CHUNK_FRAMES = 16
+TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
+TILE_SAMPLE_STRIDE = 192  # diffusers' tile_sample_stride_height / _width
+# peak live values per (patchified) input pixel of a chunk, in units of base_dim: measured
+# on the meta device (docs/encoders.md)
+WORK_CHANNELS = 7
+
+# diffusers' AutoencoderKLWan defaults for the encoder half (a config.json may omit them)
+DEFAULTS: dict[str, Any] = {
+    "variant": "wan2.1",
+    "base_dim": 96,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "is_residual": False,
+    "in_channels": 3,
+    "patch_size": None,
+    "spatial_compression_ratio": 8,
+}
+
+
+def encoder_spec(c: dict[str, Any]) -> EncoderSpec:
+    scales = {1 / 2**i for i in range(len(c["dim_mult"]))}
+    if any(float(a) in scales for a in c["attn_scales"]):
+        raise ValueError(
+            f"attn_scales {c['attn_scales']}: attention in the down stages, which the "
+            "reference builds but cannot run (its encoder hands them the feature cache)"
+        )
+    return EncoderSpec(
+        in_channels=int(c["in_channels"]),
+        base_dim=int(c["base_dim"]),
+        z_dim=int(c["z_dim"]),
+        dim_mult=tuple(int(m) for m in c["dim_mult"]),
+        num_res_blocks=int(c["num_res_blocks"]),
+        attn_scales=tuple(float(a) for a in c["attn_scales"]),
+        temperal_downsample=tuple(bool(t) for t in c["temperal_downsample"]),
+        is_residual=bool(c["is_residual"]),
+    )
+
+
+class Encoder(VAEEncoder):
+    """``moments`` equals ``AutoencoderKLWan`` / ``AutoencoderKLQwenImage``
+    ``.encode(x).latent_dist.parameters``."""
+
+    family = "wan"
+    is_video = True
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__({**DEFAULTS, **config})
+        self.spec = encoder_spec(self.config)
+        self.patch = int(self.config["patch_size"] or 1)
+        self.encoder = EncoderNet(self.spec)
+        self.quant_conv = CausalConv3d(self.spec.z_dim * 2, self.spec.z_dim * 2, 1)
+        mean, std = video.latent_stats(self.config, self.spec.z_dim)
+        self.register_buffer("latents_mean", mean, persistent=False)
+        self.register_buffer("latents_std", std, persistent=False)
+
+    # --- geometry ------------------------------------------------------------------------
+    @property
+    def latent_channels(self) -> int:
+        return self.spec.z_dim
+
+    @property
+    def spatial_scale(self) -> int:
+        return self.patch * 2 ** (len(self.spec.dim_mult) - 1)
+
+    @property
+    def temporal_scale(self) -> int:
+        downs = self.spec.temperal_downsample[: len(self.spec.dim_mult) - 1]
+        return 2 ** sum(downs)
+
+    def latent_frames(self, frames: int) -> int:
+        return 1 + (frames - 1) // CHUNK * (CHUNK // self.temporal_scale)
+
+    # --- encoding ------------------------------------------------------------------------
+    @torch.no_grad()
+    def moments(self, x: Tensor, **options: Any) -> Tensor:
+        weight = self.quant_conv.weight
+        video.check_input(x, self.spec.in_channels // self.patch**2, self.spatial_scale)
+        x = x.to(device=weight.device, dtype=weight.dtype)
+        image = x.ndim == 4
+        if image:
+            x = x.unsqueeze(2)
+        x = x[:, :, : 1 + (x.shape[2] - 1) // CHUNK * CHUNK]  # the frames the reference reads
+        if self.patch > 1:
+            x = patchify(x, self.patch)
+        chunk = int(options.get("chunk_frames", DEFAULT_CHUNK_FRAMES) or 0)
+        if chunk % CHUNK:
+            raise ValueError(f"chunk_frames {chunk}: a multiple of {CHUNK}")
+        size = int(options.get("tile_sample_size") or TILE_SAMPLE_SIZE)
+        stride = int(options.get("tile_sample_stride") or TILE_SAMPLE_STRIDE)
+        if options.get("tiled") and max(x.shape[-2:]) > size:
+            ratio = int(self.config["spatial_compression_ratio"]) // self.patch
+            m = video.tiled(lambda tile: self._stream(tile, chunk), x, ratio, size, stride)
+        else:
+            m = self._stream(x, chunk)
+        return m[:, :, 0] if image else m
+
+    def _stream(self, x: Tensor, chunk: int) -> Tensor:
+        """The clip through the encoder in frame chunks (``1 + chunk``, then ``chunk``)."""
+        s = EncoderStream()
+        step = chunk or x.shape[2]
+        starts = [0, *range(1 + step, x.shape[2], step)] if chunk else [0]
+        ends = [*starts[1:], x.shape[2]]
+        outs = [
+            self.quant_conv(self.encoder(x[:, :, a:b], s))
+            for a, b in zip(starts, ends, strict=True)
+        ]
+        return torch.cat(outs, 2) if len(outs) > 1 else outs[0]
+
+    def normalize(self, z: Tensor) -> Tensor:
+        """Wan / Qwen-Image pipelines' ``(z - latents_mean) / latents_std``."""
+        return video.normalize(z, self.latents_mean, self.latents_std)
+
+    def stages(self) -> list[tuple[str, nn.Module]]:
+        net = self.encoder
+        return [
+            ("conv_in", net.conv_in),
+            *((f"down_{i}", block) for i, block in enumerate(net.down_blocks)),
+            ("mid", net.mid_block),
+            *(("conv_out", m) for m in (net.norm_out, net.nonlinearity, net.conv_out)),
+            ("conv_out", self.quant_conv),
+        ]
+
+    def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
+        frames = input_shape[2] if len(input_shape) == 5 else 1
+        frames = min(frames, 1 + DEFAULT_CHUNK_FRAMES)
+        pixels = input_shape[0] * frames * math.prod(input_shape[-2:]) // self.patch**2
+        return int(pixels * WORK_CHANNELS * self.spec.base_dim * element_size)
+
+    def probe_input(self, generator: torch.Generator) -> Tensor:
+        side = self.spatial_scale * 4
+        shape = (1, 3, 1 + CHUNK, side, side)
+        return torch.rand(shape, generator=generator) * 2 - 1

@@ -1,0 +1,316 @@
+"""The LTX encoders against diffusers' AutoencoderKLLTXVideo / AutoencoderKLLTX2Video.encode
+(random weights, float32): moments and mean, plain and tiled, several configs and shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from diffusers import AutoencoderKLLTX2Video, AutoencoderKLLTXVideo
+
+from app.encoders import ltx
+from tests.helpers import report, saved, seeded
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LATENT = 8
+# a tiny decoder: diffusers always builds one, these tests never use it
+DECODER = dict(
+    decoder_block_out_channels=(8, 8, 8, 8),
+    decoder_layers_per_block=(1, 1, 1, 1, 1),
+)
+LTX2_DECODER = dict(decoder_block_out_channels=(8, 8, 8), decoder_layers_per_block=(1, 1, 1, 1))
+VARIANTS = {
+    # 0.9.0/0.9.1: stride-2 convs, channel-changing resnets closing each block
+    "v090": dict(
+        block_out_channels=(8, 16, 16, 16),
+        layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, True, False),
+    ),
+    # the published 0.9.0 block list (Lightricks: res, down, res_x_y twice, res, down, res, mid)
+    "v090-published": dict(
+        block_out_channels=(8, 16, 32, 32),
+        layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, True, False),
+    ),
+    "v095-causal": dict(
+        block_out_channels=(8, 16, 32, 32, 32),
+        down_block_types=("LTXVideo095DownBlock3D",) * 4,
+        spatio_temporal_scaling=(True, True, True, True),
+        layers_per_block=(1, 1, 1, 1, 1),
+        downsample_type=("temporal", "spatial", "conv", "spatiotemporal"),
+    ),
+    # 0.9.5+: space-to-depth downsamplers of each kind and one conv, non-causal, patch 2
+    "v095": dict(
+        block_out_channels=(8, 16, 32, 32, 32),
+        down_block_types=("LTXVideo095DownBlock3D",) * 4,
+        spatio_temporal_scaling=(True, True, True, True),
+        layers_per_block=(1, 2, 1, 1, 1),
+        downsample_type=("spatial", "temporal", "spatiotemporal", "conv"),
+        patch_size=2,
+        encoder_causal=False,
+    ),
+}
+LTX2_VARIANTS = {
+    "ltx2": dict(
+        block_out_channels=(16, 16, 32, 32),
+        layers_per_block=(1, 1, 1, 1, 1),
+        downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"),
+    ),
+    "ltx2-reflect": dict(
+        block_out_channels=(16, 32, 32),
+        layers_per_block=(1, 1, 2, 1),
+        spatio_temporal_scaling=(True, True, False),
+        downsample_type=("spatiotemporal", "spatial", "spatial"),
+        encoder_spatial_padding_mode="reflect",
+        patch_size=2,
+    ),
+}
+
+
+def make_pair(name: str, **extra):
+    if name in LTX2_VARIANTS:
+        kwargs = {**LTX2_VARIANTS[name], **extra}
+        ref = seeded(AutoencoderKLLTX2Video, latent_channels=LATENT, **LTX2_DECODER, **kwargs)
+        config = {"version": "ltx2"}
+    else:
+        kwargs = {**VARIANTS[name], **extra}
+        ref = seeded(AutoencoderKLLTXVideo, latent_channels=LATENT, **DECODER, **kwargs)
+        config = {}
+    config.update({k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()})
+    ours = ltx.Encoder({"latent_channels": LATENT, **config}).eval()
+    state = {k: v for k, v in ref.state_dict().items() if k.startswith("encoder.")}
+    ours.load_state_dict(state)
+    return ref, ours
+
+
+def clip(frames: int, h: int, w: int, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(frames * 1000 + h + w)
+    return torch.rand((batch, 3, frames, h, w), generator=g) * 2 - 1
+
+
+def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
+    expected = ref_dist.parameters
+    assert got.shape == expected.shape
+    assert report(f"{name} moments", got, expected) >= 0.99999
+    mean = got.chunk(2, dim=1)[0]
+    assert report(f"{name} mean", mean, ref_dist.mean) >= 0.99999
+
+
+@pytest.mark.parametrize(
+    "name,shape",
+    [
+        ("v090", (9, 32, 64)),
+        ("v090", (1, 32, 32)),
+        ("v095", (17, 32, 16)),
+        ("ltx2", (9, 64, 32)),
+        ("ltx2-reflect", (5, 32, 48)),
+    ],
+)
+def test_encode_matches_diffusers(name, shape):
+    ref, ours = make_pair(name)
+    x = clip(*shape, batch=2 if shape[0] == 1 else 1)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    got = ours.moments(x)
+    check_moments(f"{name} {shape}", got, expected)
+    assert got.shape[2] == ours.latent_frames(shape[0])
+    assert got.shape[-1] * ours.spatial_scale == shape[-1]
+
+
+@pytest.mark.parametrize(
+    "name,size,stride,hw", [("v090", 128, 64, (160, 192)), ("ltx2-reflect", 32, 16, (48, 80))]
+)
+def test_tiled_matches_diffusers(name, size, stride, hw):
+    """diffusers' enable_tiling path: overlapping tiles, a partial last row and column."""
+    ref, ours = make_pair(name)
+    ref.enable_tiling(
+        tile_sample_min_height=size,
+        tile_sample_min_width=size,
+        tile_sample_stride_height=stride,
+        tile_sample_stride_width=stride,
+    )
+    x = clip(9, *hw)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    got = ours.moments(x, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
+    check_moments(f"{name} tiled", got, expected)
+    plain = ours.moments(x)
+    assert not torch.allclose(plain, got)  # the tiles did change the result
+
+
+@pytest.mark.parametrize("name", ["v090", "ltx2"])
+def test_framewise_matches_diffusers(name):
+    """diffusers' temporal windows (use_framewise_decoding): 17-frame windows every 8 frames
+    over 33 frames (blended over one latent frame; the last window one frame long), measured
+    in the config's ratios."""
+    ref, ours = make_pair(name, temporal_compression_ratio=8, spatial_compression_ratio=32)
+    ref.use_framewise_decoding = True
+    ref.enable_tiling(tile_sample_min_num_frames=16, tile_sample_stride_num_frames=8)
+    x = clip(33, 32, 32)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    got = ours.moments(x, framewise=True, tile_sample_frames=16, tile_sample_frame_stride=8)
+    check_moments(f"{name} framewise", got, expected)
+    assert not torch.allclose(ours.moments(x), got)
+
+
+@pytest.mark.parametrize("name", ["v090", "v095-causal", "ltx2", "ltx2-reflect"])
+def test_causal_stream_is_exact(name):
+    """Frame chunks with carried state (1 + chunk, then chunk frames) == one pass ==
+    diffusers' encode; a non-causal encoder does not stream."""
+    ref, ours = make_pair(name)
+    scale = ours.temporal_scale
+    x = clip(1 + 3 * scale, 2 * ours.spatial_scale, 2 * ours.spatial_scale)
+    whole = ours.moments(x)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    for chunk in (scale, 2 * scale):
+        streamed = ours.moments(x, chunk_frames=chunk)
+        torch.testing.assert_close(streamed, whole, rtol=0, atol=2e-6)
+        check_moments(f"{name} chunk={chunk}", streamed, expected)
+    with pytest.raises(ValueError, match="multiple of"):
+        ours.moments(x, chunk_frames=scale + 1)
+    _, noncausal = make_pair("v095")
+    assert not noncausal.streams
+
+
+def test_image_input_and_normalize():
+    _, ours = make_pair("v090")
+    x = clip(1, 32, 32)
+    assert torch.equal(ours.moments(x[:, :, 0]), ours.moments(x)[:, :, 0])
+    ours2 = ltx.Encoder(
+        {**ours.config, "latents_mean": [0.5] * LATENT, "latents_std": [2.0] * LATENT}
+    )
+    z = torch.randn(1, LATENT, 2, 2, 2)
+    torch.testing.assert_close(ours2.normalize(z), (z - 0.5) / 2.0)
+
+
+def test_convert_diffusers_folder(tmp_path):
+    ref, ours = make_pair("ltx2-reflect")
+    config, state = ltx.convert(saved(ref, tmp_path / "vae"))
+    assert config["version"] == "ltx2"
+    loaded = ltx.Encoder(config).eval()
+    loaded.load_state_dict(state)
+    x = clip(9, 32, 32)
+    torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(ltx.SYNTHETIC))
+def test_synthetic_weights(name):
+    enc = ltx.Encoder(ltx.SYNTHETIC[name]).eval()
+    ltx.init_synthetic(enc, torch.Generator().manual_seed(0))
+    x = enc.probe_input(torch.Generator().manual_seed(1))
+    m = enc.moments(x)
+    assert m.shape[1] == 2 * enc.latent_channels
+    assert m.shape[2] == enc.latent_frames(x.shape[2])
+    assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+
+
+@pytest.mark.parametrize(
+    "config,shape", [({}, (1, 3, 17, 256, 256)), ({"version": "ltx2"}, (1, 3, 9, 256, 384))]
+)
+def test_working_bytes_cover_the_measured_peak(config, shape):
+    """The memory plan's estimate against the peak live tensor bytes of an encode of the
+    published architecture, measured on the meta device: enough, and not wildly more."""
+    from bench.meta_memory import live_peak
+
+    with torch.device("meta"):
+        enc = ltx.Encoder(config).eval()
+    x = torch.empty(shape, device="meta")
+    peak = live_peak(lambda: enc.moments(x))
+    estimate = enc.working_bytes(shape, 4)
+    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
+    assert peak <= estimate <= 1.5 * peak
+
+
+# --- Lightricks single files -----------------------------------------------------------------
+def lightricks_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers' encoder names -> a Lightricks single file's (``vae.encoder.down_blocks.N``:
+    each block's resnet group, its downsampler, its channel-changing resnet, then the mid)."""
+    blocks = sorted({int(k.split(".")[2]) for k in state if k.startswith("encoder.down_blocks.")})
+    targets, n = {}, 0
+    for b in blocks:
+        for part in ("resnets.", "downsamplers.0.", "conv_out."):
+            prefix = f"encoder.down_blocks.{b}.{part}"
+            if any(k.startswith(prefix) for k in state):
+                targets[prefix] = f"encoder.down_blocks.{n}." + (
+                    "res_blocks." if part == "resnets." else ""
+                )
+                n += 1
+    targets["encoder.mid_block.resnets."] = f"encoder.down_blocks.{n}.res_blocks."
+    out = {}
+    for key, value in state.items():
+        for prefix, new in targets.items():
+            if key.startswith(prefix):
+                key = new + key[len(prefix) :]
+                break
+        key = key.replace("conv_shortcut.conv.", "conv_shortcut.").replace("norm3.", "norm3.norm.")
+        out[f"vae.{key}"] = value.contiguous()
+    out["vae.decoder.conv_in.conv.weight"] = torch.zeros(1)  # the decoder half: not read
+    out["vae.per_channel_statistics.mean-of-means"] = torch.linspace(-1, 1, LATENT)
+    out["vae.per_channel_statistics.std-of-means"] = torch.linspace(0.5, 2, LATENT)
+    out["model.diffusion_model.x"] = torch.zeros(1)  # the transformer: not read
+    return out
+
+
+def test_lightricks_writer_is_diffusers_own():
+    """The writer agrees with diffusers' single-file converters (0.9.0 and LTX-2 layouts)."""
+    from diffusers.loaders.single_file_utils import (
+        convert_ltx2_vae_to_diffusers,
+        convert_ltx_vae_checkpoint_to_diffusers,
+    )
+
+    for name, fn in [("v090-published", convert_ltx_vae_checkpoint_to_diffusers),
+                     ("ltx2", convert_ltx2_vae_to_diffusers)]:  # fmt: skip
+        ref, _ = make_pair(name)
+        state = {k: v for k, v in ref.state_dict().items() if k.startswith("encoder.")}
+        original = {k: v for k, v in lightricks_layout(state).items() if ".encoder." in k}
+        theirs = fn(original)
+        assert {k: v.shape for k, v in theirs.items()} == {k: v.shape for k, v in state.items()}
+
+
+@pytest.mark.parametrize("name", ["v090-published", "v095", "ltx2"])
+def test_convert_lightricks_single_file(tmp_path, name):
+    """The Lightricks layout, its config inferred from the shapes, matches diffusers' encode."""
+    from safetensors.torch import save_file
+
+    ref, ours = make_pair(name)
+    path = tmp_path / "ltx-video.safetensors"
+    causal = {"causal": False} if name == "v095" else {}
+    save_file(lightricks_layout(ours.state_dict()), str(path),
+              metadata={"config": json.dumps({"vae": causal})})  # fmt: skip
+    config, state = ltx.convert(path)
+    assert config["latents_std"][-1] == 2.0
+    loaded = ltx.Encoder(config).eval()
+    loaded.load_state_dict(state)
+    x = clip(9, 32, 32)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    check_moments(f"{name} lightricks file", loaded.moments(x), expected)
+
+
+def test_decoder_only_files_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"vae.decoder.conv_in.conv.weight": torch.zeros(1)}, str(tmp_path / "d.safetensors"))
+    with pytest.raises(ValueError, match="decoder-only"):
+        ltx.convert(tmp_path / "d.safetensors")
+    ref, _ = make_pair("v090")
+    folder = saved(ref, tmp_path / "vae")
+    save_file(
+        {k: v.contiguous() for k, v in ref.state_dict().items() if k.startswith("decoder.")},
+        str(folder / "diffusion_pytorch_model.safetensors"),
+    )
+    with pytest.raises(ValueError, match="decoder-only"):
+        ltx.convert(folder)
+
+
+def test_bad_input_is_a_value_error():
+    enc = ltx.Encoder(ltx.SYNTHETIC[next(iter(ltx.SYNTHETIC))]).eval()
+    s = enc.spatial_scale
+    with pytest.raises(ValueError, match="multiples of"):
+        enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
+    with pytest.raises(ValueError, match="expected"):
+        enc.moments(torch.zeros(1, 4, 1, s, s))

@@ -1,0 +1,349 @@
+"""The Wan encoders against diffusers' AutoencoderKLWan / AutoencoderKLQwenImage.encode
+(random weights, float32): the reference's 1 + 4k frame chunks with its feature cache against
+our streamed pass (several chunkings), plain and tiled, Wan 2.1, Wan 2.2 TI2V, Qwen-Image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
+
+from app.encoders import wan
+from tests.helpers import report, saved, seeded
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VARIANTS = {
+    "wan2.1": (
+        AutoencoderKLWan,
+        dict(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[True, True],
+            scale_factor_spatial=4,
+        ),
+    ),
+    # two resnets a stage, 2-D downsampling first
+    "wan2.1-deep": (
+        AutoencoderKLWan,
+        dict(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=2,
+            temperal_downsample=[False, True, True],
+            scale_factor_spatial=8,
+        ),
+    ),
+    "wan2.2": (
+        AutoencoderKLWan,
+        dict(
+            base_dim=8,
+            z_dim=12,
+            dim_mult=[1, 2, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=16,
+            latents_mean=[0.0] * 12,
+            latents_std=[1.0] * 12,
+        ),
+    ),
+    # the published channel counts (original single files carry no statistics)
+    "wan2.1-z16": (
+        AutoencoderKLWan,
+        dict(
+            base_dim=8,
+            z_dim=16,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=2,
+            temperal_downsample=[False, True],
+            scale_factor_spatial=4,
+            latents_mean=[0.0] * 16,
+            latents_std=[1.0] * 16,
+        ),
+    ),
+    "wan2.2-z48": (
+        AutoencoderKLWan,
+        dict(
+            base_dim=8,
+            z_dim=48,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[True, True],
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_spatial=8,
+            latents_mean=[0.0] * 48,
+            latents_std=[1.0] * 48,
+        ),
+    ),
+    "qwen-image": (
+        AutoencoderKLQwenImage,
+        dict(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 2, 2],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        ),
+    ),
+}
+
+
+def make_pair(name: str):
+    cls, kwargs = VARIANTS[name]
+    if cls is AutoencoderKLWan and "latents_mean" not in kwargs:
+        kwargs = {**kwargs, "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4}
+    ref = seeded(cls, **kwargs)
+    config = {k: v for k, v in kwargs.items() if k in wan.encode.DEFAULTS}
+    if cls is AutoencoderKLQwenImage:
+        config["spatial_compression_ratio"] = 2 ** len(kwargs["temperal_downsample"])
+    elif "scale_factor_spatial" in kwargs:
+        config["spatial_compression_ratio"] = kwargs["scale_factor_spatial"]
+    ours = wan.Encoder(config).eval()
+    state = {k: v for k, v in ref.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
+    ours.load_state_dict(state)
+    return ref, ours
+
+
+def clip(frames: int, h: int, w: int, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(frames * 1000 + h + w)
+    return torch.rand((batch, 3, frames, h, w), generator=g) * 2 - 1
+
+
+def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
+    expected = ref_dist.parameters
+    assert got.shape == expected.shape
+    assert report(f"{name} moments", got, expected) >= 0.99999
+    assert report(f"{name} mean", got.chunk(2, dim=1)[0], ref_dist.mean) >= 0.99999
+
+
+@pytest.mark.parametrize(
+    "name,shape,chunk",
+    [
+        ("wan2.1", (9, 16, 24), 4),
+        ("wan2.1", (11, 16, 16), 0),  # 1 + 4k + 2: the last two frames are dropped, as there
+        ("wan2.1-deep", (5, 32, 16), 4),
+        ("wan2.2", (9, 32, 32), 8),
+        ("wan2.2", (1, 32, 64), 16),
+        ("qwen-image", (1, 24, 32), 16),
+        ("qwen-image", (9, 16, 16), 0),
+    ],
+)
+def test_encode_matches_diffusers(name, shape, chunk):
+    ref, ours = make_pair(name)
+    x = clip(*shape, batch=2 if shape[0] == 1 else 1)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    got = ours.moments(x, chunk_frames=chunk)
+    check_moments(f"{name} {shape} chunk={chunk}", got, expected)
+    assert got.shape[2] == ours.latent_frames(shape[0])
+    assert got.shape[-1] * ours.spatial_scale == shape[-1]
+
+
+@pytest.mark.parametrize("name", ["wan2.1", "wan2.2"])
+def test_chunkings_agree(name):
+    """Whole clip, 4-frame and 8-frame chunks: the same stream."""
+    _, ours = make_pair(name)
+    x = clip(17, 32, 32)
+    whole = ours.moments(x, chunk_frames=0)
+    for chunk in (4, 8):
+        torch.testing.assert_close(ours.moments(x, chunk_frames=chunk), whole, rtol=0, atol=2e-6)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        ours.moments(x, chunk_frames=6)
+
+
+@pytest.mark.parametrize(
+    "name,size,stride,hw",
+    [("wan2.1", 32, 24, (40, 56)), ("wan2.2", 32, 16, (64, 96)), ("qwen-image", 32, 16, (48, 40))],
+)
+def test_tiled_matches_diffusers(name, size, stride, hw):
+    ref, ours = make_pair(name)
+    ref.enable_tiling(
+        tile_sample_min_height=size,
+        tile_sample_min_width=size,
+        tile_sample_stride_height=stride,
+        tile_sample_stride_width=stride,
+    )
+    x = clip(5, *hw)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    got = ours.moments(x, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
+    check_moments(f"{name} tiled", got, expected)
+    assert not torch.allclose(ours.moments(x), got)
+
+
+def test_attention_in_down_stages_refused():
+    """diffusers builds them but its encoder cannot run them (it passes the cache to them)."""
+    with pytest.raises(ValueError, match="attn_scales"):
+        wan.Encoder({"base_dim": 8, "attn_scales": [0.5]})
+
+
+def test_image_input_and_normalize():
+    _, ours = make_pair("qwen-image")
+    x = clip(1, 16, 16)
+    torch.testing.assert_close(ours.moments(x[:, :, 0]), ours.moments(x)[:, :, 0])
+    enc = wan.Encoder({**ours.config, "latents_mean": [1.0] * 4, "latents_std": [4.0] * 4})
+    z = torch.randn(1, 4, 2, 2, 2)
+    torch.testing.assert_close(enc.normalize(z), (z - 1.0) / 4.0)
+
+
+@pytest.mark.parametrize("name", ["wan2.2", "qwen-image"])
+def test_convert_diffusers_folder(tmp_path, name):
+    ref, ours = make_pair(name)
+    config, state = wan.convert(saved(ref, tmp_path / "vae"))
+    assert config["variant"] == name
+    loaded = wan.Encoder(config).eval()
+    loaded.load_state_dict(state)
+    x = clip(5, 32, 32)
+    torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
+    assert (
+        loaded.normalize(torch.ones(1, ours.latent_channels, 1, 1, 1)).shape[1]
+        == ours.latent_channels
+    )
+
+
+@pytest.mark.parametrize("name", list(wan.SYNTHETIC))
+def test_synthetic_weights(name):
+    enc = wan.Encoder(wan.SYNTHETIC[name]).eval()
+    wan.init_synthetic(enc, torch.Generator().manual_seed(0))
+    x = enc.probe_input(torch.Generator().manual_seed(1))
+    m = enc.moments(x)
+    assert m.shape[1] == 2 * enc.latent_channels
+    assert m.shape[2] == enc.latent_frames(x.shape[2])
+    assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+
+
+# --- original single files -------------------------------------------------------------------
+RESNET_ORIGINAL = {"norm1.": "residual.0.", "conv1.": "residual.2.", "norm2.": "residual.3.",
+                   "conv2.": "residual.6.", "conv_shortcut.": "shortcut."}  # fmt: skip
+TOP_ORIGINAL = {"quant_conv.": "conv1.", "encoder.conv_in.": "encoder.conv1.",
+                "encoder.mid_block.resnets.0.": "encoder.middle.0.",
+                "encoder.mid_block.attentions.0.": "encoder.middle.1.",
+                "encoder.mid_block.resnets.1.": "encoder.middle.2.",
+                "encoder.norm_out.": "encoder.head.0.",
+                "encoder.conv_out.": "encoder.head.2."}  # fmt: skip
+
+
+def _resnet_original(prefix: str, rest: str) -> str:
+    for new, old in RESNET_ORIGINAL.items():
+        if rest.startswith(new):
+            return prefix + old + rest[len(new) :]
+    return prefix + rest
+
+
+def original_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """diffusers' encoder names -> the original ``Wan2.x_VAE.pth`` ones (written here from
+    the original code's module structure, independently of app/)."""
+    out = {}
+    for key, value in state.items():
+        top = next((k for k in TOP_ORIGINAL if key.startswith(k)), None)
+        if top is not None:
+            out[_resnet_original(TOP_ORIGINAL[top], key[len(top) :])] = value
+            continue
+        parts = key.split(".")  # encoder.down_blocks.i.<rest>
+        i, rest = parts[2], ".".join(parts[3:])
+        if rest.startswith("resnets."):  # Wan 2.2: Down_ResidualBlock.downsamples.j
+            j, inner = parts[4], ".".join(parts[5:])
+            out[_resnet_original(f"encoder.downsamples.{i}.downsamples.{j}.", inner)] = value
+        elif rest.startswith("downsampler."):  # its resample closes the same Sequential
+            j = len(
+                {
+                    k.split(".")[4]
+                    for k in state
+                    if k.startswith(f"encoder.down_blocks.{i}.resnets.")
+                }
+            )
+            out[f"encoder.downsamples.{i}.downsamples.{j}.{rest[len('downsampler.') :]}"] = value
+        else:
+            out[_resnet_original(f"encoder.downsamples.{i}.", rest)] = value
+    out["decoder.conv1.weight"] = torch.zeros(1)  # the decoder half: dropped by convert
+    return out
+
+
+def test_original_layout_writer_is_diffusers_own():
+    """The writer above agrees with diffusers' single-file converter (Wan 2.1 encoder keys)."""
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    ref, _ = make_pair("wan2.1-deep")
+    state = {k: v for k, v in ref.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
+    original = original_layout(state)
+    original.pop("decoder.conv1.weight")
+    theirs = convert_wan_vae_to_diffusers(original)
+    assert set(theirs) == set(state)
+    assert all(torch.equal(theirs[k], state[k]) for k in state)
+
+
+def save_original(state: dict, path) -> None:
+    from safetensors.torch import save_file
+
+    original = original_layout(state)
+    if path.suffix == ".pth":
+        torch.save(original, path)
+    else:  # a repack with a prefix, as some single files have
+        save_file({f"vae.{k}": v.contiguous() for k, v in original.items()}, str(path))
+
+
+@pytest.mark.parametrize("name,suffix", [("wan2.1-z16", ".pth"), ("wan2.2-z48", ".safetensors")])
+def test_convert_original_single_file(tmp_path, name, suffix):
+    """The original layout, its config inferred from the shapes, matches diffusers' encode."""
+    ref, ours = make_pair(name)
+    path = tmp_path / f"vae{suffix}"
+    save_original(ours.state_dict(), path)
+    config, loaded_state = wan.convert(path)
+    assert config["variant"] == name.split("-")[0]
+    assert config["latents_std"][0] != 1.0  # the published statistics
+    loaded = wan.Encoder(config).eval()
+    loaded.load_state_dict(loaded_state)
+    x = clip(5, 32, 32)
+    with torch.no_grad():
+        expected = ref.encode(x).latent_dist
+    check_moments(f"{name} original file", loaded.moments(x), expected)
+
+
+def test_original_file_without_published_statistics_refused(tmp_path):
+    _, ours = make_pair("wan2.1")
+    path = tmp_path / "vae.pth"
+    save_original(ours.state_dict(), path)
+    with pytest.raises(ValueError, match="published"):
+        wan.convert(path)
+
+
+@pytest.mark.parametrize(
+    "config,shape",
+    [
+        ({}, (1, 3, 33, 256, 256)),
+        (wan.SYNTHETIC["wan2.2-tiny"] | {"base_dim": 160}, (1, 3, 17, 256, 256)),
+    ],
+)
+def test_working_bytes_cover_the_measured_peak(config, shape):
+    """The memory plan's estimate against the peak live tensor bytes of an encode of the
+    published architecture, measured on the meta device: enough, and not wildly more."""
+    from bench.meta_memory import live_peak
+
+    with torch.device("meta"):
+        enc = wan.Encoder(config).eval()
+    x = torch.empty(shape, device="meta")
+    peak = live_peak(lambda: enc.moments(x))
+    estimate = enc.working_bytes(shape, 4)
+    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
+    assert peak <= estimate <= 1.5 * peak
+
+
+def test_bad_input_is_a_value_error():
+    enc = wan.Encoder(wan.SYNTHETIC[next(iter(wan.SYNTHETIC))]).eval()
+    s = enc.spatial_scale
+    with pytest.raises(ValueError, match="multiples of"):
+        enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
+    with pytest.raises(ValueError, match="expected"):
+        enc.moments(torch.zeros(1, 4, 1, s, s))
