@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from app.decoders.hunyuan_video.model import EPS, CausalConv3d, MidBlock, ResnetBlock
+from app.decoders.hunyuan_video.model import EPS, MidBlock, ReplicateCausalConv3d, ResnetBlock
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def down_strides(
     return out
 
 
-class StridedCausalConv3d(CausalConv3d):
+class StridedCausalConv3d(ReplicateCausalConv3d):
     """The decoder family's replicate-padded causal conv with a stride (the downsamplers)."""
 
     def __init__(self, dim: int, stride: tuple[int, int, int]) -> None:
@@ -94,7 +94,7 @@ class EncoderNet(nn.Module):
     def __init__(self, spec: EncoderSpec) -> None:
         super().__init__()
         w = spec.widths
-        self.conv_in = CausalConv3d(spec.in_channels, w[0])
+        self.conv_in = ReplicateCausalConv3d(spec.in_channels, w[0])
         self.down_blocks = nn.ModuleList(
             DownBlock(cin, cout, spec, stride)
             for cin, cout, stride in zip([w[0], *w[:-1]], w, spec.strides, strict=True)
@@ -102,7 +102,7 @@ class EncoderNet(nn.Module):
         self.mid_block = MidBlock(w[-1], spec.groups, spec.attention)
         self.conv_norm_out = nn.GroupNorm(spec.groups, w[-1], eps=EPS)
         self.conv_act = nn.SiLU()
-        self.conv_out = CausalConv3d(w[-1], 2 * spec.latent_channels)
+        self.conv_out = ReplicateCausalConv3d(w[-1], 2 * spec.latent_channels)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.conv_in(x)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from app.decoders.wan.model import CausalConv3d
+from app.decoders.wan.model import ZeroPadCausalConv3d
 from app.encoders import video
 from app.encoders.base import VAEEncoder
 from app.encoders.wan.model import EncoderNet, EncoderSpec, EncoderStream, patchify
@@ -79,7 +79,7 @@ class Encoder(VAEEncoder):
         self.spec = encoder_spec(self.config)
         self.patch = int(self.config["patch_size"] or 1)
         self.encoder = EncoderNet(self.spec)
-        self.quant_conv = CausalConv3d(self.spec.z_dim * 2, self.spec.z_dim * 2, 1)
+        self.quant_conv = ZeroPadCausalConv3d(self.spec.z_dim * 2, self.spec.z_dim * 2, 1)
         mean, std = video.latent_stats(self.config, self.spec.z_dim)
         self.register_buffer("latents_mean", mean, persistent=False)
         self.register_buffer("latents_std", std, persistent=False)

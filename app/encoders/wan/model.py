@@ -12,7 +12,7 @@ Down stages (one per ``dim_mult`` step but the last):
                         input's space-to-depth averaged over channel groups, time zero-padded
                         in front to an even count) to its resnets + downsampler.
 
-Time. The layers reuse the decoder family's (``Stream``: each 3-tap causal conv sees two zero
+Time. The layers reuse the decoder family's (``FrameCache``: each 3-tap causal conv sees two zero
 frames at the start of the stream, then the last two frames it saw). The reference encodes
 frame 0 alone, then 4 frames at a time with a feature cache; that is one causal pass, with one
 first-frame rule: a temporal downsampler passes the stream's first frame through unseen by its
@@ -31,22 +31,15 @@ from torch import Tensor, nn
 from app.decoders.ops import conv3d
 from app.decoders.wan.model import (
     AttentionBlock,
-    CausalConv3d,
+    FrameCache,
     MidBlock,
     ResidualBlock,
     RMSNorm,
-    Stream,
+    ZeroPadCausalConv3d,
 )
 
-
-class EncoderStream(Stream):
-    """The decoder family's ``Stream`` with each carry copied out of its chunk: a view would
-    keep every conv's whole padded input alive until the next chunk (long chunks here)."""
-
-    def causal(self, conv: nn.Module, x: Tensor, frames: int) -> Tensor:
-        seq = super().causal(conv, x, frames)
-        self.carry[conv] = self.carry[conv].clone()
-        return seq
+# the decoder family's frame cache copies each carry out of its chunk (no pinned inputs)
+EncoderStream = FrameCache
 
 
 @dataclass(frozen=True)
@@ -77,7 +70,7 @@ class Downsampler(nn.Module):
         self.resample = nn.Sequential(nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(dim, dim, 3, 2))
         self.time_conv = nn.Conv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
 
-    def forward(self, x: Tensor, s: Stream) -> Tensor:
+    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
         x = frames_2d(x, self.resample)
         if self.time_conv is None:
             return x
@@ -124,7 +117,7 @@ class ResidualDownBlock(nn.Module):
         )
         self.downsampler = Downsampler(cout, temporal) if down else None
 
-    def forward(self, x: Tensor, s: Stream) -> Tensor:
+    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
         skip = self.avg_shortcut(x)
         for resnet in self.resnets:
             x = resnet(x, s)
@@ -139,7 +132,7 @@ class EncoderNet(nn.Module):
     def __init__(self, spec: EncoderSpec) -> None:
         super().__init__()
         dims = [spec.base_dim * u for u in (1, *spec.dim_mult)]
-        self.conv_in = CausalConv3d(spec.in_channels, dims[0], 3)
+        self.conv_in = ZeroPadCausalConv3d(spec.in_channels, dims[0], 3)
         self.down_blocks = nn.ModuleList()
         last = len(spec.dim_mult) - 1
         scale = 1.0
@@ -160,9 +153,9 @@ class EncoderNet(nn.Module):
         self.mid_block = MidBlock(dims[-1])
         self.norm_out = RMSNorm(dims[-1])
         self.nonlinearity = nn.SiLU()
-        self.conv_out = CausalConv3d(dims[-1], spec.z_dim * 2, 3)
+        self.conv_out = ZeroPadCausalConv3d(dims[-1], spec.z_dim * 2, 3)
 
-    def forward(self, x: Tensor, s: Stream) -> Tensor:
+    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
         x = self.conv_in(x, s)
         for layer in self.down_blocks:
             x = layer(x) if isinstance(layer, AttentionBlock) else layer(x, s)
