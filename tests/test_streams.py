@@ -213,9 +213,12 @@ def test_past_the_stream_cap_a_new_stream_gets_429_and_a_freed_slot_is_reused(se
         assert all(s.read_head()[0] == 200 for s in streams)
         refused = RawStream(server, video_latent(113, 4, 8))
         status, headers = refused.read_head()
-        refused.read(4096, timeout=5)
+        while len(refused.raw.split(b"\r\n\r\n", 1)[1]) < int(headers["content-length"]):
+            assert refused.read(4096, timeout=5)
         assert status == 429 and headers["retry-after"] == "1"
         assert headers["content-type"] == "application/json"
+        error = json.loads(refused.raw.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error == "the MP4 streams cap is reached: 3 streams are running (the most is 3)"
         refused.close()
     finally:
         for s in streams:

@@ -16,7 +16,7 @@ from starlette.types import Scope
 from app.protocol import ProtocolError, echo
 from app.runtime.device import is_oom
 from app.runtime.runner import NonFiniteOutput, OutOfMemory
-from app.runtime.scheduler import DeadlineExceeded, DeviceLost, QueueFull, Stopped
+from app.runtime.scheduler import DeadlineExceeded, DeviceLost, QueueFull, Stopped, StreamsFull
 
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
 ANOTHER_INSTANCE = "retry: another instance"
@@ -35,6 +35,10 @@ def error_response(
 def runtime_error(exc: BaseException, model: str) -> ProtocolError:
     """What a client is told when the runtime refuses or fails its decode (at submit or from
     the worker): one wording per cause."""
+    if isinstance(exc, StreamsFull):  # a QueueFull: checked first
+        return ProtocolError(
+            429, f"the MP4 streams cap is reached: {exc}", "retry after Retry-After seconds"
+        )
     if isinstance(exc, QueueFull):
         return ProtocolError(429, "decode queue is full", "retry after Retry-After seconds")
     if isinstance(exc, DeadlineExceeded):

@@ -302,7 +302,7 @@ def test_a_429_storm_from_the_real_queue_is_ridden_out(flux_store, live_server):
     """Queue depth 1, no batching: concurrent callers overflow the queue and get 429 with
     Retry-After from the service itself; every one of them still gets its image."""
     n = 5
-    with live_server(flux_store, models="flux-tiny", dtype="float32", queue_depth=1, max_batch=1,
+    with live_server(flux_store, models="flux-tiny", dtype="float32", queue_depth=1, batch_rows=1,
                      retry_after_s=1) as url:  # fmt: skip
         results: list[bytes | None] = [None] * n
         attempts = [0] * n
