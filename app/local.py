@@ -120,7 +120,8 @@ def _decode(
     if request.output is Output.MP4:
         chunks = runtime.runner.stream(served, request, timer)
         total = frames(request.latent.shape[2])
-        return _write_mp4(_counted(chunks, total, on_frames), out, request.fps, timer)
+        threads = runtime.settings.encoder_threads  # bounded, as the service's streams
+        return _write_mp4(_counted(chunks, total, on_frames), out, request.fps, threads, timer)
     if request.out_dtype == torch.bfloat16:
         request = replace(request, out_dtype=torch.float32)  # .npy has no bfloat16
     if served.reference.is_video and request.rows == 1:  # chunk by chunk, with progress
@@ -187,7 +188,7 @@ def _counted(
         yield chunk
 
 
-def _write_mp4(chunks: Iterator[Any], out: Path, fps: float, timer: Any) -> None:
+def _write_mp4(chunks: Iterator[Any], out: Path, fps: float, threads: int, timer: Any) -> None:
     """uint8 frame chunks streamed into the encoder as they are decoded, as the service
     streams them; ``encode`` is the encoder's own time, not the decode it waits on."""
     from app.video import encode_mp4
@@ -206,7 +207,7 @@ def _write_mp4(chunks: Iterator[Any], out: Path, fps: float, timer: Any) -> None
 
     t0 = time.perf_counter()
     with _atomic(out) as f:
-        for data in encode_mp4(frames(), fps):
+        for data in encode_mp4(frames(), fps, threads=threads):
             f.write(data)
     timer.add("encode", time.perf_counter() - t0 - waited)
 

@@ -172,3 +172,31 @@ def _mp4_frames(path: Path) -> list[bytes]:
     reader = imageio_ffmpeg.read_frames(str(path))
     next(reader)  # metadata
     return list(reader)
+
+
+def test_the_local_mp4_encoder_runs_with_the_bounded_encoder_threads(tmp_path, monkeypatch):
+    """VAE_ENCODER_THREADS bounds the local MP4's ffmpeg as it bounds the service's streams
+    (the real ffmpeg runs; its command line is recorded on the way)."""
+    import subprocess as real_subprocess
+
+    from app import video
+    from app.decoders import minimax_h3
+
+    store = tmp_path / "store"
+    bake(store, "minimax-h3", "video-tiny", minimax_h3.SYNTHETIC["minimax-h3-tiny"])
+    np.save(tmp_path / "zv.npy", latent(1, 24, 2, 2, 2, seed=5))
+    commands: list[list[str]] = []
+    popen = real_subprocess.Popen  # the module's own: patched below for every caller
+
+    def recorded(args: list[str], *rest, **kwargs) -> real_subprocess.Popen:
+        commands.append(list(args))
+        return popen(args, *rest, **kwargs)
+
+    monkeypatch.setattr(video.subprocess, "Popen", recorded)
+    monkeypatch.setenv("VAE_ENCODER_THREADS", "3")
+    out = tmp_path / "local.mp4"
+    args = [tmp_path / "zv.npy", "--model", "video-tiny", "-o", out, "--models-dir", store]
+    assert run_main(*args) == 0
+    assert out.stat().st_size > 0
+    (ffmpeg,) = [c for c in commands if "libx264" in c]
+    assert ffmpeg[ffmpeg.index("-threads") + 1] == "3"
