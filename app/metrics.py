@@ -31,10 +31,11 @@ SPAN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 60)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60, 600, 3600)
 SIZE_BUCKETS = tuple(4**k for k in range(7, 16))  # 16 KiB .. 1 GiB
 # phases that are not the device's decode work (everything else is: upload .. download)
-NOT_DECODE = frozenset({"parse", "queue", "encode"})
-# an output's kind, the label of the per-request histograms (7 outputs -> 3 kinds)
+NOT_DECODE = frozenset({"parse", "queue", "encode", "preview"})
+# an output's kind, the label of the per-request histograms (8 outputs -> 4 kinds)
 OUTPUT_KIND = {"png": "image", "jpg": "image", "webp": "image", "tensor": "tensor",
-               "uint8": "tensor", "unit_tensor": "tensor", "mp4": "mp4"}  # fmt: skip
+               "uint8": "tensor", "unit_tensor": "tensor", "mp4": "mp4",
+               "preview": "preview"}  # fmt: skip
 
 
 def output_kind(output: str) -> str:
@@ -172,8 +173,9 @@ class Metrics:
         """A successful request's phases: each phase's total, and the three spans' quantiles."""
         for phase, seconds in phases.items():
             self.phase_seconds.labels(model, phase, device).observe(seconds)
-        decode = sum(s for phase, s in phases.items() if phase not in NOT_DECODE)
-        self.span_seconds.labels(model, "decode").observe(decode)
+        decode = [s for phase, s in phases.items() if phase not in NOT_DECODE]
+        if decode:  # a preview decodes nothing: it must not pull the decode span down
+            self.span_seconds.labels(model, "decode").observe(sum(decode))
         for span in ("queue", "encode"):
             if span in phases:
                 self.span_seconds.labels(model, span).observe(phases[span])

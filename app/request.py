@@ -3,7 +3,8 @@
 ``app.protocol`` builds it (every check applied); the HTTP service, ``python -m app decode``
 (``app.local``) and the runtime use it unchanged. ``Output`` is the one output vocabulary:
 the wire's ``output_type``/``image_format``/``partial_postprocess``/``Accept`` choose one,
-the runner reads what to hand back from it, the encoders what to write.
+the runner reads what to hand back from it, the encoders what to write. A preview never
+reaches the runner: the HTTP handler answers it (app/http/preview.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Output(enum.Enum):
     UNIT_TENSOR = "unit_tensor"  # RGB in [0, 1], frames [N,3,H,W] (remote_decode's processor)
     UINT8 = "uint8"  # uint8 frames [N,H,W,3] (partial_postprocess)
     MP4 = "mp4"  # uint8 frames streamed into an H.264 MP4
+    PREVIEW = "preview"  # one image from the latent-to-RGB map (app/preview.py), no decoder
 
     @property
     def frames(self) -> bool:
@@ -37,7 +39,7 @@ class Output(enum.Enum):
 
     @property
     def uint8(self) -> bool:
-        return self in (Output.IMAGE, Output.UINT8, Output.MP4)
+        return self in (Output.IMAGE, Output.UINT8, Output.MP4, Output.PREVIEW)
 
 
 @dataclass(frozen=True)
@@ -72,12 +74,13 @@ class DecodeRequest:
     scaling: Scaling = field(default_factory=Scaling)
     options: Mapping[str, Any] = field(default_factory=dict)  # family knobs: timestep, seed
     out_dtype: torch.dtype | None = None  # None: uint8 for uint8 outputs, else float32
-    image_format: str = ""  # png | jpg | webp, for Output.IMAGE
+    image_format: str = ""  # png | jpg | webp, for Output.IMAGE and Output.PREVIEW
     quality: int = 90  # jpg / webp
     fps: float | None = None  # MP4; None: the model's own, else 24
     deadline: float | None = None  # perf_counter time by which the decode must have started
     request_id: str = ""
     wire_shape: tuple[int, ...] = ()  # the latent's shape as sent (the request's log line)
+    frame: int = 0  # the latent frame a video latent's preview shows (negative: from the end)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", _frozen(self.options))

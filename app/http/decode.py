@@ -1,7 +1,8 @@
 """``POST /decode``: head -> model -> validated request -> queue -> worker -> response.
 
 The event loop never decodes: the handler builds a ``DecodeRequest`` (app.protocol), submits a
-``Job`` and awaits its future, or the first frames of a streamed MP4.
+``Job`` and awaits its future, or the first frames of a streamed MP4. A preview
+(``output_type=preview``) is answered without the queue (app/http/preview.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from app.drain import Drain
 from app.http.accounting import finisher, server_timing
 from app.http.errors import CLIENT_GONE, ClientGone, deadline_error, error_response, runtime_error
 from app.http.mp4 import JobStream, _mp4_response
+from app.http.preview import format_of, preview_response
 from app.http.responses import encoded, output_label
 from app.metrics import Metrics
 from app.protocol import Head, ProtocolError, parse_head, validate
@@ -92,6 +94,8 @@ async def _decode(
     with timer.phase("parse"):
         head = parse_head(list(request.query_params.multi_items()), request.headers.items())
         model = resolve_model(name or head.params.model, runtime, settings)
+        # refused before the body is read when the model's latents have no published factors
+        preview_key = format_of(model) if head.params.output_type == "preview" else None
 
         async def read(limit: int) -> bytes:
             return await read_body(request, limit, settings.body_timeout_s)
@@ -105,6 +109,11 @@ async def _decode(
             request_id=request.state.request_id,
             on_shape=lambda shape: setattr(request.state, "shape", shape),
         )
+    if preview_key is not None:  # answered here: milliseconds, no queue, no decoder
+        response = await preview_response(preview_key, decode, timer)
+        response.headers["x-model"] = model.name
+        response.headers["x-output"] = output_label(decode)
+        return response
     streamed = decode.output is Output.MP4
     channel = FrameChannel(settings.stream_buffer_mb << 20, settings.stream_wait_s)
     job = Job(model, decode, timer, channel if streamed else None)

@@ -114,6 +114,7 @@ async def validate(
     check_limits(latent, model, limits, output)
     check_scaling(latent, params)
     _check_output_holds(latent, model, output)
+    frame = _preview_frame(latent, params, output)
     return DecodeRequest(
         latent.float(),
         output,
@@ -126,12 +127,19 @@ async def validate(
         deadline,
         request_id,
         tuple(wire.shape),
+        frame=frame,
     )
 
 
 def _check_output_holds(latent: torch.Tensor, model: ModelGeometry, output: Output) -> None:
     """An image answer holds one image; an MP4 one video."""
     images = latent.shape[0] * (model.frames_out(latent.shape[2]) if latent.ndim == 5 else 1)
+    if output is Output.PREVIEW and latent.shape[0] != 1:
+        raise ProtocolError(
+            422,
+            f"a preview is one image; this latent has a batch of {latent.shape[0]}",
+            "batch 1 (a video latent: one frame, picked by frame=)",
+        )
     if output is Output.IMAGE and images != 1:
         raise ProtocolError(
             422,
@@ -144,3 +152,22 @@ def _check_output_holds(latent: torch.Tensor, model: ModelGeometry, output: Outp
             f"an MP4 holds one video; this latent has a batch of {latent.shape[0]}",
             "batch 1, or output_type=pil|pt",
         )
+
+
+def _preview_frame(latent: torch.Tensor, params: DecodeParams, output: Output) -> int:
+    """The latent frame a video latent's preview shows: ``frame`` (negative from the end),
+    else the first (ComfyUI's choice). ``frame`` is refused where it means nothing."""
+    if params.frame is None:
+        return 0
+    if output is not Output.PREVIEW or latent.ndim != 5:
+        raise ProtocolError(
+            422, "frame picks a video latent's preview frame", "output_type=preview, a 5-D latent"
+        )
+    frames = latent.shape[2]
+    if not -frames <= params.frame < frames:
+        raise ProtocolError(
+            422,
+            f"frame={params.frame} is out of range for {frames} latent frames",
+            f"{-frames}..{frames - 1}",
+        )
+    return params.frame

@@ -45,6 +45,8 @@ def choose_output(params: DecodeParams, accept: str | None, is_video: bool) -> t
         if not is_video:
             raise ProtocolError(422, "mp4 output needs a video model", "output_type=pil|pt")
         return Output.MP4, ""
+    if params.output_type == "preview":  # an image, whatever the model (one video frame)
+        return Output.PREVIEW, params.image_format or ACCEPT_IMAGE.get(best or "") or "png"
     if params.output_type == "pt":
         return (Output.UINT8 if params.partial_postprocess else Output.TENSOR), ""
     # output_type=pil: remote_decode with a processor asks for a [0,1] tensor this way, and

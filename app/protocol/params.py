@@ -43,7 +43,8 @@ REMOTE_DECODE_PARAMS = (
     "output_tensor_type",
     "return_type",
 )
-SERVICE_PARAMS = ("fps", "timestep", "seed", "quality", "model", "timeout")
+SERVICE_PARAMS = ("fps", "timestep", "seed", "quality", "model", "timeout", "frame")
+OUTPUT_TYPES = ("pil", "pt", "mp4", "preview")
 DECODE_PARAMS = frozenset(REMOTE_DECODE_PARAMS + SERVICE_PARAMS)
 # what remote_encode sends (0.42: prepare_encode), and the encoder's own: for an encode route
 ENCODE_PARAMS = frozenset(
@@ -78,6 +79,7 @@ class DecodeParams:
     quality: int = 90
     model: str | None = None
     timeout: float | None = None  # seconds the caller waits; the server caps it
+    frame: int | None = None  # output_type=preview of a video latent: which latent frame
 
     def options(self) -> dict[str, Any]:
         """The family knobs a decode takes (LTX timestep conditioning and noise seed)."""
@@ -106,8 +108,10 @@ def parse_params(
     if dtype not in WIRE_DTYPES:  # exact: remote_decode sends torch's lower-case names
         raise ProtocolError(422, f"dtype {echo(dtype)} is not supported", "|".join(WIRE_DTYPES))
     output_type = (one("output_type") or "pil").lower()
-    if output_type not in ("pil", "pt", "mp4"):
-        raise ProtocolError(422, f"output_type {echo(output_type)} is not supported", "pil|pt|mp4")
+    if output_type not in OUTPUT_TYPES:
+        raise ProtocolError(
+            422, f"output_type {echo(output_type)} is not supported", "|".join(OUTPUT_TYPES)
+        )
     fmt = one("image_format")
     if fmt is not None:
         fmt = {"jpeg": "jpg"}.get(fmt.lower(), fmt.lower())
@@ -134,6 +138,7 @@ def parse_params(
         quality=_number("quality", one("quality"), int, low=1, high=100) or 90,
         model=one("model"),
         timeout=parse_timeout("timeout", one("timeout")),
+        frame=_number("frame", one("frame"), int, low=-MAX_DIM, high=MAX_DIM),
     )
 
 

@@ -195,7 +195,7 @@ def check_shape(
             "a smaller latent, fewer frames, or output_type=mp4 / partial_postprocess=true",
         )
     # the decoder's own estimate (the runner plans with the same one); an MP4 streams one video
-    work = geo.working_bytes(tuple(shape))
+    work = 0 if kind is Output.PREVIEW else geo.working_bytes(tuple(shape))  # no decoder
     if work > limits.max_decode_bytes:
         raise ProtocolError(
             413,
@@ -209,6 +209,7 @@ def output_bytes(kind: Output, pixels: int, itemsize: int) -> int:
     """Bytes of the response for ``pixels`` RGB output pixels (all frames and rows): tensors
     are sent raw; an image is bounded by its raw RGB size; an MP4 streams, frame by frame."""
     per_value = {Output.TENSOR: itemsize, Output.UNIT_TENSOR: itemsize, Output.UINT8: 1}
+    # a preview is one frame at the latent's own size: nothing to bound here
     return 3 * pixels * per_value.get(kind, 1 if kind is Output.IMAGE else 0)
 
 

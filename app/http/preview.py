@@ -1,0 +1,43 @@
+"""``output_type=preview``: the latent-to-RGB map (app/preview.py) answered by the handler
+itself, in a thread off the event loop: no queue, no decode worker, no decoder."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from fastapi.responses import Response
+
+from app import media
+from app.preview import FORMATS, preview, preview_format
+from app.protocol import IMAGE_MIME, ProtocolError
+from app.request import DecodeRequest
+from app.runtime import ServedModel
+from app.timing import PhaseTimer
+
+
+def format_of(model: ServedModel) -> str:
+    """The published format that previews ``model``'s latents, or a 422 naming the ones."""
+    decoder = model.reference
+    key = preview_format(model.manifest.family, decoder.config, decoder.latent_channels)
+    if key is None or key not in FORMATS:
+        what = f"preview_format {key!r}" if key else f"family {model.manifest.family!r}"
+        raise ProtocolError(
+            422,
+            f"model {model.name!r} has no published preview factors ({what}, "
+            f"{decoder.latent_channels} latent channels)",
+            "a model of a format with published factors: " + ", ".join(FORMATS),
+        )
+    return key
+
+
+async def preview_response(key: str, request: DecodeRequest, timer: PhaseTimer) -> Response:
+    """The preview image of ``request``'s latent (as sent: no de-normalization)."""
+    return await asyncio.to_thread(_encoded, key, request, timer)
+
+
+def _encoded(key: str, request: DecodeRequest, timer: PhaseTimer) -> Response:
+    with timer.phase("preview"):
+        pixels = preview(key, request.latent, frame=request.frame)[0]
+        data = media.encode_image(torch.from_numpy(pixels), request.image_format, request.quality)
+    return Response(data, media_type=IMAGE_MIME[request.image_format])
