@@ -124,6 +124,17 @@ def test_a_model_without_published_factors_is_refused_naming_the_formats(url):
     assert all(key in body["expected"] for key in FORMATS)
 
 
+def test_the_python_client_asks_for_a_preview_with_output_type(url):
+    from vae_client import Client
+
+    z = latent(1, 16, 8, 12, seed=6).numpy()
+    with Client(url) as client:
+        png = client.decode(z, "flux-tiny", "png", output_type="preview")
+        assert set(client.last_timings) == {"parse", "preview", "total"}
+    got = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    assert np.array_equal(got, preview("flux1", z)[0])
+
+
 def test_what_a_preview_cannot_be_is_refused(url):
     r = ask(url, "flux-tiny", latent(2, 16, 8, 8))
     assert r.status_code == 422 and "batch of 2" in r.json()["error"]
