@@ -77,7 +77,7 @@ def refused_or(fn, *args):
 TRICKY = [
     "True", "false", "1", "0", "yes", "", " ", "nan", "-inf", "1e400", "-0", "0x10", "1_000",
     "[1,16,8,8]", "[1, 4, 2, 2]", "1,4,2,2", "[[1]]", "[" * 3000, "[1e400]", "[true]", "[1.5]",
-    "{}", "null", "9" * 5000, "\x00", "é", "%s%n", "../..", "mp4", "pt", "pil", "png", "jpeg",
+    "{}", "null", "9" * 5000, "\x00", "é", "%s%n", "../..", "mp4", "pt", "pil", "preview", "png", "jpeg",
 ]  # fmt: skip
 values = st.one_of(
     st.sampled_from(TRICKY),

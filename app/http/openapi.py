@@ -23,7 +23,11 @@ BODY_DOC = {
                 "latent shape for raw bodies; repeated keys or a JSON list",
             ),
             ("dtype", {"type": "string", "enum": ["float32", "float16", "bfloat16"]}, "raw dtype"),
-            ("output_type", {"type": "string", "enum": ["pil", "pt", "mp4"]}, "what to return"),
+            (
+                "output_type",
+                {"type": "string", "enum": ["pil", "pt", "mp4", "preview"]},
+                "what to return (preview: the latent-to-RGB map, no decoder)",
+            ),
             ("image_format", {"type": "string", "enum": ["png", "jpg", "webp"]}, "image format"),
             ("partial_postprocess", {"type": "boolean"}, "pt: uint8 [B,H,W,3] instead"),
             ("scaling_factor", {"type": "number"}, "latent / scaling_factor"),
@@ -36,6 +40,7 @@ BODY_DOC = {
             ("seed", {"type": "integer"}, "noise seed (LTX noise injection)"),
             ("quality", {"type": "integer"}, "jpg/webp quality 1..100"),
             ("timeout", {"type": "number"}, "seconds this request may wait to start (capped)"),
+            ("frame", {"type": "integer"}, "preview of a video latent: its latent frame"),
         ]
     ]
     + [
