@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -154,3 +155,28 @@ def test_previews_are_counted_under_their_own_output_label(url):
     assert re.search(counted, metrics)
     assert 'kind="preview"' in metrics
     assert re.search(r'vae_phase_seconds_count\{[^}]*phase="preview"', metrics)
+
+
+def test_a_preview_is_answered_while_the_worker_is_busy_and_the_queue_full(tmp_path):
+    """No queue, no worker: with the one worker held and the queue full, a decode gets 429
+    and a preview of the same model its image (a manifest's ``preview_format`` names it)."""
+    from tests import faulty
+    from tests.helpers import occupy, post, wait_queued
+
+    with faulty.registered():
+        faulty.bake(tmp_path, "faulty", preview_format="sd1.5")
+        with live_server(tmp_path, device="cpu", dtype="float32", queue_depth=1) as base:
+            held = occupy(base, 7.0)
+            queued = threading.Thread(target=post, args=(base, faulty.latent(tag=8.0)))
+            try:
+                queued.start()
+                wait_queued(base, 1)
+                assert post(base, faulty.latent(tag=9.0)).status_code == 429
+                z = latent(1, 4, 8, 8, seed=7)
+                r = ask(base, "faulty", z)
+                assert np.array_equal(pixels(r), preview("sd1.5", z)[0])
+                assert "queue" not in server_ms(r)
+            finally:
+                faulty.release(7.0)
+                held.join(30)
+                queued.join(30)
