@@ -31,6 +31,9 @@ def url(tmp_path_factory) -> str:
     bake(store, "flux", "sd3-tiny", {**TINY_FLUX["flux-tiny"], "preview_format": "sd3"})
     bake(store, "wan", "wan2.1-tiny", wan.SYNTHETIC["wan2.1-tiny"])
     bake(store, "minimax-h3", "minimax-tiny", minimax_h3.SYNTHETIC["minimax-h3-tiny"])
+    # manifests naming no published format, or one for other latents: refused, not a 500
+    bake(store, "flux", "bogus-tiny", {**TINY_FLUX["sd-tiny"], "preview_format": "sd9"})
+    bake(store, "flux", "mismatched-tiny", {**TINY_FLUX["sd-tiny"], "preview_format": "flux1"})
     with live_server(store, device="cpu", dtype="float32") as base:
         yield base
 
@@ -117,11 +120,19 @@ def test_a_video_latent_previews_one_frame(url):
     assert r.status_code == 422 and "out of range for 4 latent frames" in r.json()["error"]
 
 
-def test_a_model_without_published_factors_is_refused_naming_the_formats(url):
-    r = ask(url, "minimax-tiny", latent(1, 24, 2, 2, 2))
+@pytest.mark.parametrize(
+    ("model", "z"),
+    [
+        ("minimax-tiny", latent(1, 24, 2, 2, 2)),
+        ("bogus-tiny", latent(1, 4, 2, 2)),
+        ("mismatched-tiny", latent(1, 4, 2, 2)),
+    ],
+)
+def test_a_model_without_published_factors_is_refused_naming_the_formats(url, model, z):
+    r = ask(url, model, z)
     assert r.status_code == 422, r.text
     body = r.json()
-    assert "minimax-tiny" in body["error"] and "no published preview factors" in body["error"]
+    assert model in body["error"] and "no published preview factors" in body["error"]
     assert all(key in body["expected"] for key in FORMATS)
 
 

@@ -10,6 +10,7 @@ from fastapi.responses import Response
 
 from app import media
 from app.preview import FORMATS, preview, preview_format
+from app.preview_factors import FACTORS
 from app.protocol import IMAGE_MIME, ProtocolError
 from app.request import DecodeRequest
 from app.runtime import ServedModel
@@ -19,13 +20,15 @@ from app.timing import PhaseTimer
 def format_of(model: ServedModel) -> str:
     """The published format that previews ``model``'s latents, or a 422 naming the ones."""
     decoder = model.reference
-    key = preview_format(model.manifest.family, decoder.config, decoder.latent_channels)
-    if key is None or key not in FORMATS:
+    channels = decoder.latent_channels
+    key = preview_format(model.manifest.family, decoder.config, channels)
+    if key is None or key not in FORMATS or len(FACTORS[key][0]) != channels:
+        # a manifest's preview_format can name an unknown format, or one of other channels
         what = f"preview_format {key!r}" if key else f"family {model.manifest.family!r}"
         raise ProtocolError(
             422,
             f"model {model.name!r} has no published preview factors ({what}, "
-            f"{decoder.latent_channels} latent channels)",
+            f"{channels} latent channels)",
             "a model of a format with published factors: " + ", ".join(FORMATS),
         )
     return key
