@@ -111,3 +111,30 @@ def test_flux2_preview_correlates_with_the_real_decode(photo):
     # and not by accident: another photo's decode does not correlate as well
     shuffled = np.roll(small, small.shape[0] // 2, axis=0)
     assert _pearson(approx @ luma, shuffled @ luma) < 0.5
+
+
+EXPECTED_FORMAT = {  # the default store's synthetic models (their real configs' families)
+    "flux1-synthetic": "flux1", "hunyuan-video-tiny": "hunyuan-video", "ltx-tiny": "ltxv",
+    "ltx2-tiny": None, "wan2.1-tiny": "wan2.1", "qwen-image-tiny": "wan2.1",
+    "wan2.2-tiny": None, "minimax-h3-tiny": None, "minimax-h3-image-tiny": None,
+}  # fmt: skip
+
+
+def test_each_served_family_maps_to_its_published_format_or_none():
+    from app.decoders import FAMILIES, family_module
+    from app.preview import preview_format
+
+    seen = {}
+    for family in FAMILIES:
+        module = family_module(family)
+        for name, config in getattr(module, "SYNTHETIC", {}).items():
+            decoder = module.Decoder(config)
+            seen[name] = preview_format(family, decoder.config, decoder.latent_channels)
+    assert seen == EXPECTED_FORMAT
+    sdxl = {"latent_channels": 4, "scaling_factor": 0.13025}
+    assert preview_format("flux", sdxl, 4) == "sdxl"
+    assert preview_format("flux", {"scaling_factor": 0.18215}, 4) == "sd1.5"
+    assert preview_format("flux", {"scaling_factor": 1.5305, "shift_factor": 0.0609}, 16) == "sd3"
+    assert preview_format("flux", {"latent_bn": True}, 32) == "flux2"
+    assert preview_format("taesd", {"variant": "taef1"}, 16) == "flux1"
+    assert preview_format("wan", {"preview_format": "sd3"}, 16) == "sd3"  # the manifest's wins
