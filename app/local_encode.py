@@ -73,6 +73,10 @@ def _encode(
         encoder = load_local_encoder(store, model)
     with timer.phase("read"):
         if source.suffix.lower() in VIDEO_SUFFIXES:
+            if not encoder.is_video:
+                raise LocalEncodeError(
+                    f"{model} ({encoder.family}) encodes images: an MP4 needs a video family's entry"
+                )
             x = read_video(source, encoder.spatial_scale)
         else:
             x = read_image(source, encoder.spatial_scale)

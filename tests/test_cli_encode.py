@@ -186,6 +186,7 @@ def test_mp4_through_a_video_encoder(store, tmp_path):
         ("suffix", "the latent file is .safetensors"),
         ("not-an-image", "not a readable image"),
         ("seed", "--seed only applies with --sample"),
+        ("mp4-to-image-encoder", "encodes images: an MP4 needs a video family"),
     ],
 )
 def test_errors_are_one_clear_line(case, message, store, photo_file, tmp_path, capsys):
@@ -201,8 +202,13 @@ def test_errors_are_one_clear_line(case, message, store, photo_file, tmp_path, c
     elif case == "not-an-image":
         src = tmp_path / "text.png"
         src.write_text("hello")
-    else:
+    elif case == "seed":
         extra = ["--seed", "3"]
+    else:
+        from app.video import encode_mp4
+
+        src = tmp_path / "clip.mp4"
+        src.write_bytes(b"".join(encode_mp4(np.zeros((3, 16, 16, 3), np.uint8), fps=8)))
     assert run_main(src, "--model", model, "-o", out, "--models-dir", store, *extra) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1], err
