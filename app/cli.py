@@ -1,4 +1,4 @@
-"""Command line: serve, bake, import, decode (see ``python -m app --help``)."""
+"""Command line: serve, bake, import, decode, encode (see ``python -m app --help``)."""
 
 from __future__ import annotations
 
@@ -64,11 +64,41 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--seed", type=int, help="noise seed (LTX noise injection)")
     dec.set_defaults(run=_decode)
 
+    _add_encode(sub)
     args = parser.parse_args(argv)
     from app.logging_json import configure_logging
 
     configure_logging()
     sys.exit(args.run(args) or 0)
+
+
+def _add_encode(sub: argparse._SubParsersAction) -> None:
+    enc = sub.add_parser("encode", help="encode an image or MP4 to a latent (local store or --url)")
+    enc.add_argument("input", type=Path, help=".png/.jpg/.webp image or .mp4 video")
+    enc.add_argument("--model", required=True, help="a store entry that holds an encoder")
+    enc.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=Path("latent.safetensors"),
+        help=".safetensors|.npy|.bin",
+    )
+    enc.add_argument("--url", help="a running service, e.g. http://127.0.0.1:8080")
+    enc.add_argument("--models-dir", default=DEFAULT_STORE)
+    enc.add_argument("--timings", action="store_true", help="print the per-phase table")
+    enc.add_argument("-q", "--quiet", action="store_true", help="no progress or summary line")
+    enc.add_argument("--timeout", type=float, default=600.0, help="--url: seconds for the call")
+    enc.add_argument(
+        "--do-scaling", action="store_true", help="apply the model's own latent normalisation"
+    )
+    enc.add_argument("--scaling-factor", type=float, help="write (z - shift_factor) * this")
+    enc.add_argument("--shift-factor", type=float)
+    enc.add_argument(
+        "--sample", action="store_true", help="a sample of the distribution, not its mean"
+    )
+    enc.add_argument("--seed", type=int, help="the sample's noise seed (with --sample)")
+    enc.add_argument("--packed", action="store_true", help="FLUX's packed [B, N, 4C] layout")
+    enc.set_defaults(run=_encode)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -180,5 +210,11 @@ def _convert_encoder(family: str, source: Path) -> tuple[dict | None, dict | Non
 
 def _decode(args: argparse.Namespace) -> int:
     from app.cli_decode import run
+
+    return run(args)
+
+
+def _encode(args: argparse.Namespace) -> int:
+    from app.cli_encode import run
 
     return run(args)

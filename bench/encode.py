@@ -1,27 +1,39 @@
 """Encoders: the service's vs diffusers' encode, same weights, same process, same threads.
 
-    python -m bench encode [--quick] [--flux-size 256] [--taef2-size 512] [--repeats 3]
+    python -m bench encode [--quick] [--repeats 2] [--threads N] [--only FAMILY ...]
+                           [--force-bf16]
 
-``--quick`` (about a minute on 2 loaded cores): 256 px / 512 px, 2 rounds.
+One row per family (``FAMILIES``), each measured in its own subprocess (its models freed
+before the next family loads). diffusers is measured as a user would set it up: float32,
+float32 with channels_last (``channels_last_3d`` for video), bf16 (skipped when this
+machine's bf16 GEMM runs below 1/4 of float32's: emulated); its fastest setting is the row's
+peer. The service side is our encoder at float32, exact, and its ``optimize()``d copy where
+the family has a fast path (the served copy behind the parity gate). The cosine is our exact
+encode's moments against diffusers float32's (same weights: the check that the row compares
+like with like). Variants take turns each round (``common.interleaved``), so a load change
+on a shared machine lands on all alike.
 
-FLUX.1: the full ``AutoencoderKL`` encoder config (16 ch, widths 128/256/512/512, seeded
-trained-like weights) on a seeded ``[1, 3, S, S]`` image in [-1, 1]; the peer is diffusers'
-``AutoencoderKL.encode`` holding the same weights. TAEF2: the real encoder when
-``../shared/weights/taef2/taef2_encoder.pth`` exists (else seeded weights of its shapes).
-diffusers' ``AutoencoderTiny`` cannot hold TAEF2's pool branch, so its peer row is the
-pool-less TAEF1-shaped net with 32 latent channels (a little less work than TAEF2), and
-the same-weights row is the checkpoint's own flat ``nn.Sequential`` (madebyollin's layout).
-Variants take turns each round (``common.interleaved``), so a load change on a shared
-machine lands on all alike. Prints markdown tables: median seconds, ratio vs the best peer,
-cosine of the latent vs the service's exact float32 encode.
+Shapes (``--quick`` / default): FLUX.1 (full ``AutoencoderKL`` encoder: 16 ch, widths
+128/256/512/512, seeded trained-like weights) 256 / 512 px; TAEF2 512 / 1024 px with the
+real encoder when ``../shared/weights/taef2/taef2_encoder.pth`` exists (diffusers'
+``AutoencoderTiny`` cannot hold TAEF2's pool branch: the same-weights peer is the
+checkpoint's own flat ``nn.Sequential``, madebyollin's layout, and diffusers' pool-less
+32-channel ``AutoencoderTiny`` is listed beside it, not taken as the peer); the video
+families with diffusers' default (released) encoder configs and seeded default-init weights:
+LTX 0.9.0 9x128x128 / 17x256x256, Wan 2.1 5x128x128 / 9x256x256, HunyuanVideo 5x64x64 /
+9x128x128, MiniMax-H3 one 17-frame clip at 64x64 / 128x128.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
+import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,13 +42,71 @@ from torch import nn
 
 from app.decoders.ops import cosine
 from app.encoders import flux, taesd
+from app.encoders.base import VAEEncoder
 from app.encoders.flux.model import ENCODER_CONFIG
 from bench import common
 
 TAEF2_WEIGHTS = Path(__file__).resolve().parents[2] / "shared/weights/taef2/taef2_encoder.pth"
 CPU = torch.device("cpu")
+Encode = Callable[[], torch.Tensor]
+EMULATED = "skipped: bf16 emulated"
+SAME_WEIGHTS = "madebyollin Sequential (same weights)"
 
 
+@dataclass
+class Setup:
+    """One family at one shape: our exact encoder, its input, diffusers' settings."""
+
+    shape: str
+    ours: VAEEncoder
+    x: torch.Tensor
+    peers: dict[str, Callable[[], Encode]]  # setting -> make() -> encode() (moments)
+    # settings listed beside the peers but not comparable (other weights): no cosine, no peer
+    others: dict[str, Callable[[], Encode]] = field(default_factory=dict)
+
+
+def _seeded(cls: type, **config) -> nn.Module:
+    torch.manual_seed(0)
+    return cls(**config).eval().requires_grad_(False)
+
+
+def _frozen(module: nn.Module) -> nn.Module:
+    return module.float().eval().requires_grad_(False)
+
+
+def _input(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.rand(shape, generator=torch.Generator().manual_seed(1)) * 2 - 1
+
+
+def _peer_settings(ref: nn.Module, x: torch.Tensor, encode, video: bool) -> dict:
+    """diffusers' three settings of one model: fp32, fp32 channels-last, bf16."""
+    layout = "CL3d" if video else "CL"
+
+    def channels_last() -> Encode:
+        model = copy.deepcopy(ref)
+        if video:
+            model = common.channels_last_3d(model)
+        else:
+            model = model.to(memory_format=torch.channels_last)
+        return lambda: encode(model, x)
+
+    def bf16() -> Encode:
+        model = copy.deepcopy(ref).to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
+        return lambda: encode(model, xb)
+
+    return {
+        "fp32": lambda: lambda: encode(ref, x),
+        f"fp32+{layout}": channels_last,
+        "bf16": bf16,
+    }
+
+
+def _moments(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model.encode(x).latent_dist.parameters
+
+
+# --- families -------------------------------------------------------------------------------
 def flux_pair(seed: int = 0) -> tuple[flux.Encoder, AutoencoderKL]:
     ours = flux.Encoder(ENCODER_CONFIG)
     flux.init_synthetic(ours, torch.Generator().manual_seed(seed))
@@ -52,26 +122,32 @@ def flux_pair(seed: int = 0) -> tuple[flux.Encoder, AutoencoderKL]:
     )
     ref.encoder.load_state_dict(ours.state_dict())
     del ref.decoder
-    return ours.eval().requires_grad_(False), ref.eval().requires_grad_(False)
+    return _frozen(ours), _frozen(ref)
+
+
+def flux_setup(quick: bool) -> Setup:
+    size = 256 if quick else 512
+    ours, ref = flux_pair()
+    x = _input((1, 3, size, size))
+    return Setup(f"FLUX.1 {size}x{size}", ours, x, _peer_settings(ref, x, _moments, False))
 
 
 def taef2_encoders() -> tuple[taesd.Encoder, nn.Module | None, AutoencoderTiny, str]:
     """Ours, the checkpoint's flat Sequential (same weights; None without the file), the
-    closest diffusers peer, and where the weights came from."""
+    closest diffusers model, and where the weights came from."""
     if TAEF2_WEIGHTS.exists():
         config, state = taesd.convert(TAEF2_WEIGHTS)
         ours = taesd.Encoder(config)
         ours.load_state_dict(state)
         flat = _flat_sequential(ours)
-        source = f"real weights ({TAEF2_WEIGHTS.name})"
+        source = "real weights"
     else:
         ours = taesd.Encoder({"variant": "taef2"})
         taesd.init_synthetic(ours, torch.Generator().manual_seed(0))
-        flat, source = None, "synthetic weights (seed 0; ../shared absent)"
+        flat, source = None, "synthetic weights (../shared absent)"
     peer = AutoencoderTiny(latent_channels=32)
     del peer.decoder
-    ours = ours.float().eval().requires_grad_(False)
-    return ours, flat, peer.eval().requires_grad_(False), source
+    return _frozen(ours), flat, _frozen(peer), source
 
 
 def _flat_sequential(ours: taesd.Encoder) -> nn.Module:
@@ -84,72 +160,216 @@ def _flat_sequential(ours: taesd.Encoder) -> nn.Module:
     return nn.Sequential(*layers, ours.conv_out)
 
 
-def _table(title: str, times: dict[str, float], outputs: dict, exact: torch.Tensor) -> None:
-    peers = {k: v for k, v in times.items() if k.startswith(("diffusers", "madebyollin"))}
-    best = min(peers, key=peers.get)
-    print(f"\n{title}\n| variant | median s | vs {best} | cos vs exact fp32 |")
-    print("|---|---|---|---|")
-    for name, seconds in times.items():
-        cos = f"{cosine(outputs[name], exact):.6f}" if outputs[name] is not None else "-"
-        print(f"| {name} | {seconds:.3f} | {peers[best] / seconds:.2f}x | {cos} |", flush=True)
-
-
-def _channels_last(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model).to(memory_format=torch.channels_last)
-
-
-def bench_flux(size: int, repeats: int) -> None:
-    ours, ref = flux_pair()
-    x = torch.rand((1, 3, size, size), generator=torch.Generator().manual_seed(1)) * 2 - 1
-    ref_cl, ours_cl = _channels_last(ref), _channels_last(ours)
-    ours_fast = copy.deepcopy(ours)
-    ours_fast.optimize()
-    fns = {
-        "diffusers fp32": lambda: ref.encode(x).latent_dist.parameters,
-        "diffusers fp32+CL": lambda: ref_cl.encode(x).latent_dist.parameters,
-        "service exact fp32": lambda: ours.moments(x),
-        "service fp32+CL": lambda: ours_cl.moments(x),
-        "service fast fp32 (Winograd)": lambda: ours_fast.moments(x),
-    }
-    outputs = {name: fn() for name, fn in fns.items()}  # also the warm-up
-    times = common.interleaved(fns, CPU, repeats)
-    _table(f"FLUX.1 encoder {size}x{size} (moments)", times, outputs, outputs["service exact fp32"])
-
-
-def bench_taef2(size: int, repeats: int) -> None:
+def taef2_setup(quick: bool) -> Setup:
+    size = 512 if quick else 1024
     ours, flat, peer, source = taef2_encoders()
-    x = torch.rand((1, 3, size, size), generator=torch.Generator().manual_seed(1)) * 2 - 1
-    ours_cl = _channels_last(ours)
-    fns = {"diffusers AutoencoderTiny 32ch (no pool)": lambda: peer.encode(x).latents}
+    x = _input((1, 3, size, size))
+    peers = {}
     if flat is not None:
-        fns["madebyollin Sequential (same weights)"] = lambda: flat(x.add(1).div(2))
-    fns["service exact fp32"] = lambda: ours.encode(x)
-    fns["service fp32+CL"] = lambda: ours_cl.encode(x)
-    outputs = {name: fn() for name, fn in fns.items()}
-    outputs[next(iter(fns))] = None  # other weights: no cosine
-    times = common.interleaved(fns, CPU, repeats)
-    _table(f"TAEF2 encoder {size}x{size}, {source}", times, outputs, outputs["service exact fp32"])
+        flat_cl = copy.deepcopy(flat).to(memory_format=torch.channels_last)
+        peers[SAME_WEIGHTS] = lambda: lambda: flat(x.add(1).div(2))
+        peers[SAME_WEIGHTS + " +CL"] = lambda: lambda: flat_cl(x.add(1).div(2))
+    others = {
+        "diffusers AutoencoderTiny 32ch (no pool)": lambda: lambda: peer.encode(x).latents,
+    }
+    return Setup(f"TAEF2 {size}x{size}, {source}", ours, x, peers, others)
+
+
+def _video_pair(ours_module, config: dict, ref: nn.Module) -> VAEEncoder:
+    """Our encoder of ``config`` holding ``ref``'s encoder tensors (strict: same weights)."""
+    ours = ours_module.Encoder(config)
+    prefixes = ("encoder.", "quant_conv.")
+    ours.load_state_dict({k: v for k, v in ref.state_dict().items() if k.startswith(prefixes)})
+    return _frozen(ours)
+
+
+def _video_setup(label: str, module, cls, extra: dict, shape: tuple[int, ...]) -> Setup:
+    ref = _seeded(cls, **extra)
+    ours = _video_pair(module, module.encode.DEFAULTS, ref)
+    ref.decoder = None  # the peer encodes only: its decoder's memory back
+    x = _input(shape)
+    t, h, w = shape[2:]
+    return Setup(f"{label} {t}x{h}x{w}", ours, x, _peer_settings(ref, x, _moments, True))
+
+
+def ltx_setup(quick: bool) -> Setup:
+    from diffusers import AutoencoderKLLTXVideo
+
+    from app.encoders import ltx
+
+    tiny_decoder = dict(decoder_block_out_channels=(8, 8, 8, 8))
+    shape = (1, 3, 9, 128, 128) if quick else (1, 3, 17, 256, 256)
+    return _video_setup("LTX 0.9.0", ltx, AutoencoderKLLTXVideo, tiny_decoder, shape)
+
+
+def wan_setup(quick: bool) -> Setup:
+    from diffusers import AutoencoderKLWan
+
+    from app.encoders import wan
+
+    shape = (1, 3, 5, 128, 128) if quick else (1, 3, 9, 256, 256)
+    return _video_setup("Wan 2.1", wan, AutoencoderKLWan, {"decoder_base_dim": 8}, shape)
+
+
+def hunyuan_video_setup(quick: bool) -> Setup:
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    from app.encoders import hunyuan_video
+
+    shape = (1, 3, 5, 64, 64) if quick else (1, 3, 9, 128, 128)
+    return _video_setup("HunyuanVideo", hunyuan_video, AutoencoderKLHunyuanVideo, {}, shape)
+
+
+def minimax_h3_setup(quick: bool) -> Setup:
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    from app.encoders import minimax_h3
+
+    tiny_decoder = dict(
+        decoder_num_layers=1,
+        decoder_num_attention_heads=1,
+        decoder_attention_head_dim=8,
+        decoder_num_register_tokens=1,
+        decoder_ffn_mult=1,
+    )
+    shape = (1, 3, 17, 64, 64) if quick else (1, 3, 17, 128, 128)
+    return _video_setup("MiniMax-H3", minimax_h3, AutoencoderKLMiniMaxH3, tiny_decoder, shape)
+
+
+FAMILIES: dict[str, Callable[[bool], Setup]] = {
+    "flux": flux_setup,
+    "taef2": taef2_setup,
+    "ltx": ltx_setup,
+    "wan": wan_setup,
+    "hunyuan-video": hunyuan_video_setup,
+    "minimax-h3": minimax_h3_setup,
+}
+
+
+# --- one family's row -----------------------------------------------------------------------
+def _has_fast_path(encoder: VAEEncoder) -> bool:
+    return type(encoder).optimize is not VAEEncoder.optimize
 
 
 @torch.inference_mode()
+def measure(family: str, quick: bool, repeats: int, skip_bf16: bool) -> dict:
+    """Median seconds of every diffusers setting (or why skipped), of our exact encode and
+    of our fast copy; the fastest peer; the cosine of ours vs the first peer (fp32)."""
+    setup = FAMILIES[family](quick)
+    fns: dict[str, Encode] = {}
+    peers: dict[str, float | str] = {}
+    for setting, make in setup.peers.items():
+        if skip_bf16 and "bf16" in setting:
+            peers[setting] = EMULATED
+        else:
+            fns[setting] = make()
+    others = {name: make() for name, make in setup.others.items()}
+    ours = setup.ours
+    fns["service exact fp32"] = lambda: ours.moments(setup.x)
+    if _has_fast_path(ours):
+        fast = copy.deepcopy(ours)
+        fast.optimize()
+        fns["service fast fp32"] = lambda: fast.moments(setup.x)
+    fns.update(others)
+    outputs = {name: fn().float() for name, fn in fns.items()}  # also the warm-ups
+    times = common.interleaved(fns, CPU, repeats)
+    service = {k: times.pop(k) for k in list(times) if k.startswith("service")}
+    other_times = {k: times.pop(k) for k in others}
+    peers.update(times)
+    timed = {k: v for k, v in peers.items() if isinstance(v, float)}
+    best = min(timed, key=timed.get)
+    ours_name = min(service, key=service.get)
+    exact = outputs["service exact fp32"]
+    reference = outputs[next(iter(setup.peers))]
+    return {
+        "family": family,
+        "shape": setup.shape,
+        "peers": peers,
+        "others": other_times,
+        "best": best,
+        "best_s": timed[best],
+        "service": service,
+        "ours": ours_name,
+        "ours_s": service[ours_name],
+        "ratio": timed[best] / service[ours_name],
+        "cos": cosine(exact, reference),
+        "cos_fast": cosine(outputs["service fast fp32"], exact) if len(service) > 1 else None,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [
+        "| family | shape | peer's best | its s | ours (exact / fast) s | vs best "
+        "| cos exact vs peer fp32 | cos fast vs exact | peer settings measured |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['family']} | - | - | - | - | - | - | - | failed: {r['error']} |")
+            continue
+        settings = "; ".join(
+            f"{k} {v:.2f} s" if isinstance(v, float) else f"{k} {v}"
+            for k, v in {**r["peers"], **r["others"]}.items()
+        )
+        ours = " / ".join(f"{v:.2f}" for v in r["service"].values())
+        fast = f"{r['cos_fast']:.7f}" if r["cos_fast"] is not None else "-"
+        lines.append(
+            f"| {r['family']} | {r['shape']} | {r['best']} | {r['best_s']:.2f} | {ours} "
+            f"| {r['ratio']:.2f}x | {r['cos']:.7f} | {fast} | {settings} |"
+        )
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.child:
+        return print(json.dumps(measure(args.child, args.quick, args.repeats, args.skip_bf16)))
+    from bench.table import machine_line
+
     load = " / ".join(f"{v:.1f}" for v in os.getloadavg())
-    print(f"machine: {common.machine()}; load average {load} (a shared machine: see the spread)")
-    repeats = 2 if args.quick else args.repeats
-    bench_flux(256 if args.quick else args.flux_size, repeats)
-    bench_taef2(512 if args.quick else args.taef2_size, repeats)
+    print(f"{machine_line()}; load average {load}")
+    rates = {d: common.gemm_rate(d, CPU) for d in (torch.float32, torch.bfloat16)}
+    emulated = rates[torch.bfloat16] < rates[torch.float32] / 4
+    print(
+        "GEMM rate: "
+        + ", ".join(f"{str(d)[6:]} {r / 1e9:.0f} GFLOP/s" for d, r in rates.items())
+        + ("  (bf16 emulated: its diffusers settings skipped)" if emulated else "")
+    )
+    print(format_table(rows(args, emulated)))
+    print(f"load average after: {' / '.join(f'{v:.1f}' for v in os.getloadavg())}")
+
+
+def rows(args: argparse.Namespace, emulated: bool) -> list[dict]:
+    """Each family's row from its own subprocess (``--child``)."""
+    out = []
+    for family in args.only or FAMILIES:
+        command = [sys.executable, "-m", "bench", "encode", "--child", family]
+        command += ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
+        if args.threads:
+            command += ["--threads", str(args.threads)]
+        if emulated and not args.force_bf16:
+            command.append("--skip-bf16")
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["?"])[-1]
+            out.append({"family": family, "error": last[:200]})
+        else:
+            out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        r = out[-1]
+        note = r.get("error") or f"{r['ratio']:.2f}x of {r['best']}"
+        print(f"  encode {family:14s} {note}", file=sys.stderr, flush=True)
+    return out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--quick", action="store_true", help="FLUX.1 256 px, TAEF2 512 px, 2 rounds"
-    )
-    parser.add_argument("--flux-size", type=int, default=256)
-    parser.add_argument("--taef2-size", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="small shapes (see the docstring)")
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--only", nargs="*", choices=list(FAMILIES), help="families to run")
+    parser.add_argument("--force-bf16", action="store_true", help="run bf16 even when emulated")
+    parser.add_argument("--skip-bf16", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Every family in one table: the service's served path vs diffusers' best setting here.
 
     python -m bench all [--quick] [--repeats 2] [--threads N] [--only FAMILY ...] [--force-bf16]
+                        [--encode]
 
 One row per family. diffusers is measured as a user would set it up (float32, float32 with
 channels_last where its convs take it, bf16) and its fastest setting is the row's peer; bf16
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -368,6 +370,12 @@ def run(args: argparse.Namespace) -> None:
         print(f"  {family:14s} {note}", flush=True)
     print()
     print(format_table(rows))
+    if args.encode:
+        from bench import encode
+
+        options = argparse.Namespace(**{**vars(args), "only": None})
+        print(f"\nencoders (load average {' / '.join(f'{v:.1f}' for v in os.getloadavg())})")
+        print(encode.format_table(encode.rows(options, emulated)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -379,6 +387,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force-bf16", action="store_true", help="run bf16 even when emulated")
     parser.add_argument("--skip-bf16", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--encode", action="store_true", help="append the encoders' table")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,12 @@ from vae_client.files import atomic_write, save_array
 from vae_client.wire import (
     ARRAY_OUTPUTS,
     Request,
+    build_encode_request,
     build_request,
     decode_response,
+    encode_params,
+    latent_format_for_path,
+    latent_response,
     output_for_path,
     output_name,
 )
@@ -70,6 +74,43 @@ class AsyncClient(BaseClient):
             save_array(path, array)
             return path
         req = build_request(latent, model, output, params, None)
+        with atomic_write(path) as f:
+            await self._send(req, f.write, deadline)
+        return path
+
+    async def encode(
+        self,
+        image: Any,
+        model: str | None = None,
+        *,
+        scaling_factor: float | None = None,
+        shift_factor: float | None = None,
+        do_scaling: bool = False,
+        sample: bool = False,
+        seed: int | None = None,
+        packed: bool = False,
+        deadline: float | None = None,
+    ) -> np.ndarray:
+        """``Client.encode`` awaited: pixels -> the latent as numpy."""
+        params = encode_params(scaling_factor, shift_factor, do_scaling, sample, seed, packed)
+        req = build_encode_request(image, model, params)
+        buf = bytearray()
+        response = await self._send(req, buf.extend, deadline)
+        return latent_response(req.output, buf, response.headers)
+
+    async def encode_to_file(
+        self,
+        image: Any,
+        path: str | os.PathLike,
+        model: str | None = None,
+        *,
+        deadline: float | None = None,
+        **options: Any,
+    ) -> Path:
+        path = Path(path)
+        req = build_encode_request(
+            image, model, encode_params(**options), latent_format_for_path(path)
+        )
         with atomic_write(path) as f:
             await self._send(req, f.write, deadline)
         return path

@@ -17,15 +17,19 @@ from vae_client.files import atomic_write, save_array
 from vae_client.wire import (
     ARRAY_OUTPUTS,
     Request,
+    build_encode_request,
     build_request,
     decode_response,
+    encode_params,
+    latent_format_for_path,
+    latent_response,
     output_for_path,
     output_name,
 )
 
 
 class Client(BaseClient):
-    """Decode latents against a running service (thread-safe; reuse one per process).
+    """Decode latents (and encode pixels) against a running service (thread-safe; reuse one per process).
 
     ``timeout``: seconds per attempt (connect/read); ``deadline``: seconds for a whole call,
     retries included (None: no overall limit); ``max_retries``: retries of 429/503 and of
@@ -91,6 +95,52 @@ class Client(BaseClient):
             self._send(req, f.write, deadline)
         return path
 
+    def encode(
+        self,
+        image: Any,
+        model: str | None = None,
+        *,
+        scaling_factor: float | None = None,
+        shift_factor: float | None = None,
+        do_scaling: bool = False,
+        sample: bool = False,
+        seed: int | None = None,
+        packed: bool = False,
+        deadline: float | None = None,
+    ) -> np.ndarray:
+        """Pixels -> the latent as numpy (``POST /encode/{model}``).
+
+        ``image``: a PIL image (sent as PNG), PNG/JPEG/WebP/MP4 bytes or a path to such a
+        file, or a float array ``[B,3,H,W]`` / ``[B,3,T,H,W]`` in [-1, 1] (sent raw). The
+        latent is the distribution's mean, or a seeded sample (``sample=True, seed=N``);
+        ``scaling_factor``/``shift_factor`` give ``(z - shift) * scale``, ``do_scaling`` the
+        model's own normalisation, ``packed`` FLUX's packed layout."""
+        params = encode_params(scaling_factor, shift_factor, do_scaling, sample, seed, packed)
+        req = build_encode_request(image, model, params)
+        buf = bytearray()
+        response = self._send(req, buf.extend, deadline)
+        return latent_response(req.output, buf, response.headers)
+
+    def encode_to_file(
+        self,
+        image: Any,
+        path: str | os.PathLike,
+        model: str | None = None,
+        *,
+        deadline: float | None = None,
+        **options: Any,
+    ) -> Path:
+        """Encode and write the latent to ``path``: ``.safetensors`` / ``.npy`` as the server
+        writes them, ``.bin`` the raw bytes (its shape and dtype in ``last_call.headers``);
+        ``options`` are ``encode``'s."""
+        path = Path(path)
+        req = build_encode_request(
+            image, model, encode_params(**options), latent_format_for_path(path)
+        )
+        with atomic_write(path) as f:
+            self._send(req, f.write, deadline)
+        return path
+
     def models(self) -> dict[str, Any]:
         return self._http.get("/models", headers=self._auth()).raise_for_status().json()
 
@@ -150,3 +200,14 @@ def decode(
     }
     with Client(url, **client_options) as client:
         return client.decode(latent, model, output, **params)
+
+
+def encode(
+    image: Any, url: str = DEFAULT_URL, model: str | None = None, **options: Any
+) -> np.ndarray:
+    """One-shot ``Client(url).encode(...)``; keep a ``Client`` for repeated calls."""
+    client_options = {
+        k: options.pop(k) for k in ("timeout", "token", "max_retries") if k in options
+    }
+    with Client(url, **client_options) as client:
+        return client.encode(image, model, **options)

@@ -149,3 +149,145 @@ def response_array(content: bytes | bytearray, headers: httpx.Headers) -> np.nda
     return np.frombuffer(content, dtype=np.dtype(RESPONSE_DTYPES[dtype]).newbyteorder("<")).reshape(
         shape
     )
+
+
+# --- encode (diffusers' ``remote_encode``): pixels -> request, latent response -> numpy ----
+
+# Accept -> how the latent comes back: a raw tensor (``shape``/``dtype`` headers), or a file
+LATENT_ACCEPT = {
+    "raw": "tensor/binary",
+    "npy": "application/x-npy",
+    "safetensors": "application/x-safetensors",
+}
+LATENT_SUFFIX = {".bin": "raw", ".npy": "npy", ".safetensors": "safetensors"}
+MEDIA_SUFFIX = {
+    ".png": "image/png",
+    ".jpg": "image/jpeg",
+    ".jpeg": "image/jpeg",
+    ".webp": "image/webp",
+    ".mp4": "video/mp4",
+}
+
+
+def sniff_media(data: bytes) -> str | None:
+    """The Content-Type of encoded image/video bytes from their magic numbers, else None."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    if data[4:8] == b"ftyp":
+        return "video/mp4"
+    return None
+
+
+def latent_format_for_path(path: Path) -> str:
+    """``z.safetensors`` -> ``"safetensors"``; ValueError for a suffix with no latent format."""
+    try:
+        return LATENT_SUFFIX[path.suffix.lower()]
+    except KeyError:
+        raise ValueError(
+            f"{path}: a latent file is {', '.join(LATENT_SUFFIX)} (the suffix names the format)"
+        ) from None
+
+
+def encode_params(
+    scaling_factor: float | None = None,
+    shift_factor: float | None = None,
+    do_scaling: bool = False,
+    sample: bool = False,
+    seed: int | None = None,
+    packed: bool = False,
+) -> dict[str, Any]:
+    """The encode route's query params; defaults are left out (the server's are the same)."""
+    params: dict[str, Any] = {"scaling_factor": scaling_factor, "shift_factor": shift_factor}
+    params.update(do_scaling=do_scaling or None, sample=sample or None, packed=packed or None)
+    if seed is not None:
+        if not sample:
+            raise ValueError("seed only applies to sample=True (the mean has no noise)")
+        params["seed"] = seed
+    return {k: v for k, v in params.items() if v is not None}
+
+
+def build_encode_request(
+    image: Any, model: str | None, params: dict[str, Any], latent_format: str = "raw"
+) -> Request:
+    """One encode request: ``image`` as the body (see ``encode_pixels``), ``params`` as the
+    query, ``latent_format`` (raw / npy / safetensors) as the Accept."""
+    if latent_format not in LATENT_ACCEPT:
+        raise ValueError(
+            f"latent format {latent_format!r} is not one of {', '.join(LATENT_ACCEPT)}"
+        )
+    body, content_type, wire = encode_pixels(image)
+    headers = {"Accept": LATENT_ACCEPT[latent_format], "X-Request-Id": uuid.uuid4().hex}
+    if content_type:
+        headers["Content-Type"] = content_type
+    path = f"/encode/{model}" if model else "/encode"
+    return Request(path, encode_query({**wire, **params}), headers, body, latent_format)
+
+
+def encode_pixels(image: Any) -> tuple[bytes, str, dict[str, Any]]:
+    """Pixels -> (body, Content-Type, wire params).
+
+    A PIL image goes as PNG (lossless, as ``remote_encode`` sends it); PNG/JPEG/WebP/MP4 bytes
+    or a file path as they are; a numpy array (or torch tensor) ``[B,3,H,W]`` / ``[B,3,T,H,W]``
+    in [-1, 1] as a raw little-endian tensor with ``shape`` and ``dtype``."""
+    if isinstance(image, bytes | bytearray | memoryview):
+        data = bytes(image)
+        content_type = sniff_media(data)
+        if content_type is None:
+            raise ValueError(
+                "image bytes are not PNG, JPEG, WebP or MP4 (send raw pixels as a numpy array)"
+            )
+        return data, content_type, {}
+    if isinstance(image, str | os.PathLike):
+        path = Path(image)
+        if path.suffix.lower() not in MEDIA_SUFFIX:
+            raise ValueError(f"{path}: an image or video file is {', '.join(MEDIA_SUFFIX)}")
+        return path.read_bytes(), MEDIA_SUFFIX[path.suffix.lower()], {}
+    if hasattr(image, "save") and hasattr(image, "mode"):  # a PIL image (Pillow is optional)
+        import io
+
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return buf.getvalue(), "image/png", {}
+    if type(image).__module__.split(".")[0] == "torch":
+        body, content_type, wire = _encode_torch(image)
+    else:
+        array = np.asarray(image)
+        if array.dtype == np.float64:
+            array = array.astype(np.float32)  # the wire has no float64
+        if array.dtype not in (np.float32, np.float16):
+            raise ValueError(
+                f"pixel array dtype {array.dtype}: send float32/float16 in [-1, 1] "
+                "(or encoded PNG/JPEG bytes, or a PIL image)"
+            )
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+        body, content_type = array.tobytes(), "tensor/binary"
+        wire = {"shape": list(array.shape), "dtype": array.dtype.name}
+    shape = wire["shape"]
+    if len(shape) not in (4, 5) or shape[1] != 3:
+        raise ValueError(f"pixels of shape {shape}: expected [B,3,H,W] or [B,3,T,H,W]")
+    return body, content_type, wire
+
+
+def latent_response(
+    latent_format: str, content: bytes | bytearray, headers: httpx.Headers
+) -> np.ndarray:
+    """An encode response -> numpy: raw (``shape``/``dtype`` headers, bfloat16 -> float32),
+    ``.npy`` or safetensors (its one tensor; needs the ``safetensors`` package)."""
+    if latent_format == "raw":
+        return response_array(content, headers)
+    if latent_format == "npy":
+        import io
+
+        return np.load(io.BytesIO(bytes(content)), allow_pickle=False)
+    from safetensors.numpy import load as load_safetensors
+
+    tensors = load_safetensors(bytes(content))
+    if len(tensors) != 1:
+        raise DecodeError(
+            None, f"expected one tensor in the safetensors answer, got {list(tensors)}"
+        )
+    return next(iter(tensors.values()))
