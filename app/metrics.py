@@ -34,7 +34,8 @@ SIZE_BUCKETS = tuple(4**k for k in range(7, 16))  # 16 KiB .. 1 GiB
 NOT_DECODE = frozenset({"parse", "queue", "encode"})
 # an output's kind, the label of the per-request histograms (7 outputs -> 3 kinds)
 OUTPUT_KIND = {"png": "image", "jpg": "image", "webp": "image", "tensor": "tensor",
-               "uint8": "tensor", "unit_tensor": "tensor", "mp4": "mp4"}  # fmt: skip
+               "uint8": "tensor", "unit_tensor": "tensor", "mp4": "mp4",
+               "latent": "tensor"}  # fmt: skip
 
 
 def output_kind(output: str) -> str:
@@ -168,12 +169,17 @@ class Metrics:
         r.register(DeviceMemory())
         register_gpu_stats(r)  # NVML utilization + memory; nothing on a CPU host
 
-    def observe_phases(self, model: str, device: str, phases: dict[str, float]) -> None:
-        """A successful request's phases: each phase's total, and the three spans' quantiles."""
+    def observe_phases(
+        self, model: str, device: str, phases: dict[str, float], op: str = "decode"
+    ) -> None:
+        """A successful request's phases: each phase's total, and the three spans' quantiles.
+        An encode request (``op="encode"``) has its device work in ``encoder.*`` phases and
+        no ``decode`` span (docs/metrics.md)."""
         for phase, seconds in phases.items():
             self.phase_seconds.labels(model, phase, device).observe(seconds)
-        decode = sum(s for phase, s in phases.items() if phase not in NOT_DECODE)
-        self.span_seconds.labels(model, "decode").observe(decode)
+        if op == "decode":
+            decode = sum(s for phase, s in phases.items() if phase not in NOT_DECODE)
+            self.span_seconds.labels(model, "decode").observe(decode)
         for span in ("queue", "encode"):
             if span in phases:
                 self.span_seconds.labels(model, span).observe(phases[span])
