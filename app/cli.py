@@ -201,7 +201,7 @@ def _convert_encoder(family: str, source: Path) -> tuple[dict | None, dict | Non
         return None, None
     try:
         found = convert(source)
-    except ValueError as exc:  # convert's refusal of a checkpoint without encoder tensors
+    except (ValueError, FileNotFoundError) as exc:  # no encoder in the checkpoint
         print(f"no encoder imported: {exc}", file=sys.stderr)
         return None, None
     return found if found is not None else (None, None)
