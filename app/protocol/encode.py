@@ -276,7 +276,11 @@ def read_image(
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(body), formats=list(PIL_FORMATS))
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise ProtocolError(413, f"image refused: {exc}"[:200], "a smaller image") from None
+        raise ProtocolError(  # Pillow's own bound, past ours: still before any pixel
+            413,
+            f"image exceeds the limit of {limits.max_pixels} pixels per frame: {exc}"[:240],
+            "a smaller image",
+        ) from None
     except Exception as exc:  # Pillow raises many types on a broken header
         raise ProtocolError(400, f"body is not a valid {kind} image: {exc}"[:200]) from None
     w, h = image.size
