@@ -234,7 +234,8 @@ def _huge_png(width: int, height: int) -> bytes:
         ("/encode/flux-enc", {"bogus": "1"}, "png", {}, 422, "unknown query parameter"),
         ("/encode/flux-enc", {}, b"hello", {"Content-Type": "text/plain"}, 415, "text/plain"),
         ("/encode/flux-enc", {}, b"hello", {}, 415, "not a PNG"),
-        ("/encode/flux-enc", {}, "huge", {}, 413, "exceeds the limit"),
+        ("/encode/flux-enc", {}, "huge", {}, 413, "exceeds the limit"),  # Pillow's bound
+        ("/encode/flux-enc", {}, "5k", {}, 413, "input 5000x5000 exceeds the limit"),  # ours
         ("/encode/flux-enc", {}, b"\x89PNG\r\n\x1a\nbroken", {}, 400, "not a valid"),
         ("/encode/flux-enc", {}, b"\0" * 12, {"Content-Type": "tensor/binary"}, 422, "shape"),
         ("/encode/flux-enc", {"shape": [1, 3, 9000, 9000]}, b"\0" * 12, {}, 413, "limit"),
@@ -251,6 +252,8 @@ def test_bad_input_gets_a_json_4xx(url, path, params, body, headers, status, say
         body = png_bytes(Image.new("RGB", (64, 64), "red"))
     elif body == "huge":
         body = _huge_png(100_000, 100_000)
+    elif body == "5k":
+        body = _huge_png(5000, 5000)
     r = requests.post(f"{url}{path}", params=params, data=body, headers=headers, timeout=60)
     assert r.status_code == status, r.text
     assert says in r.json()["error"], r.json()
@@ -358,3 +361,15 @@ def test_bake_writes_synthetic_encoders(tmp_path):
     assert run.returncode == 0, run.stderr
     assert set(read_manifest(tmp_path, "wan2.1-tiny")[1].parts) == {"decoder", "encoder"}
     assert set(read_manifest(tmp_path, "minimax-h3-image-tiny")[1].parts) == {"decoder"}
+
+
+def test_declared_limits_are_refused_before_the_body_is_sent(url):
+    from tests.helpers import raw_request, read_response
+
+    target = "/encode/flux-enc?shape=[1,3,9000,9000]&dtype=float32"
+    sock = raw_request(url, target, headers={"Transfer-Encoding": "chunked"})
+    status, body = read_response(sock)  # no body byte was sent
+    assert status == 413 and "limit" in body["error"]
+    png = {"Content-Type": "image/png", "Content-Length": "900000000"}
+    status, body = read_response(raw_request(url, "/encode/flux-enc", headers=png))
+    assert status == 413 and "limit" in body["error"]
