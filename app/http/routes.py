@@ -11,7 +11,7 @@ from app.config import Settings
 from app.drain import Drain
 from app.http.decode import handle_decode
 from app.http.encode import handle_encode
-from app.http.openapi import BODY_DOC
+from app.http.openapi import BODY_DOC, ENCODE_BODY_DOC
 from app.metrics import Metrics
 from app.runtime import Runtime
 
@@ -56,11 +56,17 @@ def install_routes(
     async def decode_default(request: Request) -> Response:
         return await handle_decode(request, None, runtime, metrics, settings, drain)
 
-    @app.post("/encode/{model}", summary="Encode an image, video or pixel tensor to a latent")
+    @app.post(
+        "/encode/{model}",
+        summary="Encode an image, video or pixel tensor to a latent",
+        openapi_extra=ENCODE_BODY_DOC,
+    )
     async def encode_named(model: str, request: Request) -> Response:
         return await handle_encode(request, model, runtime, metrics, settings, drain)
 
-    @app.post("/encode", summary="Encode with ?model= or VAE_DEFAULT_MODEL")
+    @app.post(
+        "/encode", summary="Encode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=ENCODE_BODY_DOC
+    )
     async def encode_default(request: Request) -> Response:
         return await handle_encode(request, None, runtime, metrics, settings, drain)
 
