@@ -373,3 +373,11 @@ def test_declared_limits_are_refused_before_the_body_is_sent(url):
     png = {"Content-Type": "image/png", "Content-Length": "900000000"}
     status, body = read_response(raw_request(url, "/encode/flux-enc", headers=png))
     assert status == 413 and "limit" in body["error"]
+
+
+def test_serve_encoders_false_decodes_only(store):
+    with live_server(store, dtype="float32", serve_encoders=False) as url:
+        models = requests.get(f"{url}/models").json()["models"]
+        assert all(m["encoder"] is None for m in models)
+        r = requests.post(f"{url}/encode/flux-enc", data=png_bytes(Image.new("RGB", (64, 64))))
+        assert r.status_code == 404 and "VAE_SERVE_ENCODERS" in r.json()["error"]

@@ -123,6 +123,10 @@ def served_encoder(runtime: Runtime, name: str) -> ServedEncoder:
         raise ProtocolError(
             503, f"the encoder of model {name!r} is not served: {runtime.encoder_errors[name]}"
         )
+    if not runtime.settings.serve_encoders:
+        raise ProtocolError(
+            404, "this instance serves no encoders (VAE_SERVE_ENCODERS=false)", "POST /decode"
+        )
     with_encoder = ", ".join(sorted(runtime.encoders)) or "none"
     raise ProtocolError(
         404,

@@ -98,7 +98,10 @@ class Runtime:
         return self.scheduler.submit(job)
 
     def load_encoders(self) -> None:
-        """Load and gate the encoder of every served entry that holds one."""
+        """Load and gate the encoder of every served entry that holds one (unless
+        ``VAE_SERVE_ENCODERS=false``: then every encode is a 404, as for a decoder-only one)."""
+        if not self.settings.serve_encoders:
+            return
         self.encoders, self.encoder_errors = load_encoders(
             Path(self.settings.models_dir),
             list(self.registry.models),
