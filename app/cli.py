@@ -140,6 +140,7 @@ def _bake(args: argparse.Namespace) -> int:
                 continue
             decoder = module.Decoder(config)
             module.init_synthetic(decoder, torch.Generator().manual_seed(0))
+            encoder_config, encoder_state = _synthetic_encoder(family, name)
             write_model(
                 store,
                 name,
@@ -148,9 +149,31 @@ def _bake(args: argparse.Namespace) -> int:
                 decoder.state_dict(),
                 source="synthetic:seed=0",
                 dtype="float32",
+                encoder_state=encoder_state,
+                encoder_config=encoder_config,
             )
-            print(f"baked {name} ({family}) into {args.models_dir}/{name}")
+            parts = "decoder+encoder" if encoder_state is not None else "decoder"
+            print(f"baked {name} ({family}, {parts}) into {args.models_dir}/{name}")
     return 0
+
+
+def _synthetic_encoder(family: str, name: str) -> tuple[dict | None, dict | None]:
+    """The seeded encoder of a synthetic entry, when its family's encoder package has one of
+    that name (``SYNTHETIC``); else (None, None): the entry is decoder-only."""
+    import torch
+
+    from app.encoders import encoder_module
+
+    try:
+        module = encoder_module(family)
+    except KeyError:
+        return None, None
+    config = getattr(module, "SYNTHETIC", {}).get(name)
+    if config is None:
+        return None, None
+    encoder = module.Encoder(config)
+    module.init_synthetic(encoder, torch.Generator().manual_seed(1))
+    return dict(config), encoder.state_dict()
 
 
 def _complete(store: Path, name: str) -> bool:
@@ -204,7 +227,13 @@ def _convert_encoder(family: str, source: Path) -> tuple[dict | None, dict | Non
         convert = getattr(encoder_module(family), "convert", None)
     except KeyError:
         return None, None
-    found = convert(source) if callable(convert) else None
+    if not callable(convert):
+        return None, None
+    try:
+        found = convert(source)
+    except (ValueError, FileNotFoundError) as exc:  # no encoder in the checkpoint
+        print(f"no encoder imported: {exc}", file=sys.stderr)
+        return None, None
     return found if found is not None else (None, None)
 
 

@@ -23,6 +23,9 @@ class Settings(BaseSettings):
     default_model: str | None = None
     verify_weights: bool = Field(True, description="check each entry's sha256 at startup")
     ready_partial: bool = Field(False, description="/readyz 200 while some models failed")
+    serve_encoders: bool = Field(
+        True, description="load and gate the entries' encoders (POST /encode); false: decode only"
+    )
     # admission and limits
     queue_depth: int = Field(32, ge=1)
     max_batch: int = Field(8, ge=1, description="latent rows per request, else 413")

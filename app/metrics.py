@@ -35,7 +35,7 @@ NOT_DECODE = frozenset({"parse", "queue", "encode", "preview"})
 # an output's kind, the label of the per-request histograms (8 outputs -> 4 kinds)
 OUTPUT_KIND = {"png": "image", "jpg": "image", "webp": "image", "tensor": "tensor",
                "uint8": "tensor", "unit_tensor": "tensor", "mp4": "mp4",
-               "preview": "preview"}  # fmt: skip
+               "preview": "preview", "latent": "tensor"}  # fmt: skip
 
 
 def output_kind(output: str) -> str:
@@ -169,12 +169,16 @@ class Metrics:
         r.register(DeviceMemory())
         register_gpu_stats(r)  # NVML utilization + memory; nothing on a CPU host
 
-    def observe_phases(self, model: str, device: str, phases: dict[str, float]) -> None:
-        """A successful request's phases: each phase's total, and the three spans' quantiles."""
+    def observe_phases(
+        self, model: str, device: str, phases: dict[str, float], op: str = "decode"
+    ) -> None:
+        """A successful request's phases: each phase's total, and the three spans' quantiles.
+        An encode request (``op="encode"``) has its device work in ``encoder.*`` phases and
+        no ``decode`` span (docs/metrics.md)."""
         for phase, seconds in phases.items():
             self.phase_seconds.labels(model, phase, device).observe(seconds)
         decode = [s for phase, s in phases.items() if phase not in NOT_DECODE]
-        if decode:  # a preview decodes nothing: it must not pull the decode span down
+        if op == "decode" and decode:  # a preview decodes nothing: it must not pull it down
             self.span_seconds.labels(model, "decode").observe(sum(decode))
         for span in ("queue", "encode"):
             if span in phases:

@@ -105,3 +105,37 @@ class DecodeRequest:
             self.output.uint8,
             self.out_dtype,
         )
+
+
+class LatentFormat(enum.Enum):
+    """How an encode's latent is written: remote_encode's raw bytes, or a file format."""
+
+    RAW = "tensor/binary"  # little-endian bytes, ``shape``/``dtype`` headers
+    SAFETENSORS = "application/x-safetensors"
+    NPY = "application/x-npy"
+
+
+@dataclass(frozen=True)
+class EncodeScaling:
+    """How the latent is normalized after encoding: ``(z - shift) * scale`` with explicit
+    factors (remote_encode's semantics), else the model's own with ``do_scaling``."""
+
+    scaling_factor: float | None = None
+    shift_factor: float | None = None
+    model_default: bool = False  # do_scaling=true without factors
+
+
+@dataclass(frozen=True, eq=False)
+class EncodeRequest:
+    """A validated encode: RGB pixels in [-1, 1], float32 on the CPU, ``[B,3,H,W]`` or
+    ``[B,3,T,H,W]``, and everything about its answer. Built by ``app.protocol.encode``."""
+
+    pixels: Tensor
+    scaling: EncodeScaling = field(default_factory=EncodeScaling)
+    sample: bool = False  # a seeded sample of the distribution instead of its mean
+    seed: int = 0
+    packed: bool = False  # FLUX's packed [B, (H/2)(W/2), 4C] layout
+    latent_format: LatentFormat = LatentFormat.RAW
+    deadline: float | None = None
+    request_id: str = ""
+    body_kind: str = "tensor"  # tensor | png | jpeg | webp | mp4: what was sent (the log)

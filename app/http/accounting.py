@@ -23,8 +23,10 @@ def finisher(
     drain: Drain,
     timer: PhaseTimer,
     started: float,
+    op: str = "decode",
 ) -> Callable[[int], None]:
-    """Metrics and the request's log line, once the whole body has been produced (once)."""
+    """Metrics and the request's log line, once the whole body has been produced (once).
+    ``op="encode"``: an encode request (its phases on the encoder's device)."""
     code = response.status_code
     model_label = response.headers.get("x-model", name or "-")
     output_label = response.headers.get("x-output", "-")
@@ -40,7 +42,10 @@ def finisher(
         served = runtime.models.get(model_label)
         model_seen = model_label if served else "-"
         if code < 400 and served is not None:
-            metrics.observe_phases(model_label, served.serving_device, phases)
+            device = served.serving_device
+            if op == "encode" and model_label in runtime.encoders:
+                device = runtime.encoders[model_label].serving_device
+            metrics.observe_phases(model_label, device, phases, op)
             metrics.response_bytes.labels(model_label, output_label).observe(size)
         # every outcome, so timeouts and 503s show in the latency too
         metrics.request_seconds.labels(model_seen, output_label, code_class(code)).observe(elapsed)

@@ -15,6 +15,7 @@ from starlette.types import Scope
 
 from app.protocol import ProtocolError, echo
 from app.runtime.device import is_oom
+from app.runtime.encoders import InvalidInput
 from app.runtime.runner import NonFiniteOutput, OutOfMemory
 from app.runtime.scheduler import DeadlineExceeded, DeviceLost, QueueFull, Stopped, StreamsFull
 
@@ -47,6 +48,8 @@ def runtime_error(exc: BaseException, model: str) -> ProtocolError:
         return ProtocolError(503, "the service is shutting down", ANOTHER_INSTANCE)
     if isinstance(exc, DeviceLost):
         return ProtocolError(503, f"this instance lost its device: {exc}", ANOTHER_INSTANCE)
+    if isinstance(exc, InvalidInput):
+        return ProtocolError(422, f"the encoder refused the input: {exc}"[:300], "see /models")
     if isinstance(exc, NonFiniteOutput):
         return ProtocolError(422, str(exc), "a latent and factors in the decoder's range")
     if isinstance(exc, OutOfMemory) or is_oom(exc):

@@ -1,4 +1,4 @@
-"""The decode routes' OpenAPI description: the body types and the query params."""
+"""The decode and encode routes' OpenAPI description: the body types and the query params."""
 
 from __future__ import annotations
 
@@ -51,5 +51,47 @@ BODY_DOC = {
             "schema": {"type": "number"},
             "description": "seconds this request may wait to start; capped by the server",
         }
+    ],
+}
+
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+ENCODE_BODY_DOC = {
+    "requestBody": {
+        "required": True,
+        "description": "An image (PNG without Content-Type, as remote_encode sends it; JPEG, "
+        "WebP), RGB pixels in [-1, 1] as raw tensor bytes (with `shape` and `dtype`), "
+        "safetensors or `.npy`, or an MP4 for a video model. Answer: the latent, raw bytes "
+        "with `shape`/`dtype` headers (safetensors or `.npy` on Accept).",
+        "content": {
+            kind: _BINARY
+            for kind in (
+                "image/png",
+                "image/jpeg",
+                "image/webp",
+                "video/mp4",
+                "tensor/binary",
+                "application/octet-stream",
+                "application/x-safetensors",
+                "application/x-npy",
+            )
+        },
+    },
+    "parameters": [
+        {"name": n, "in": "query", "required": False, "schema": s, "description": d}
+        for n, s, d in [
+            (
+                "shape",
+                {"type": "array", "items": {"type": "integer"}},
+                "pixel shape for raw bodies: [B,3,H,W] or [B,3,T,H,W]",
+            ),
+            ("dtype", {"type": "string", "enum": ["float32", "float16", "bfloat16"]}, "raw dtype"),
+            ("scaling_factor", {"type": "number"}, "(latent - shift_factor) * scaling_factor"),
+            ("shift_factor", {"type": "number"}, "subtracted before scaling"),
+            ("do_scaling", {"type": "boolean"}, "apply the model's own normalisation"),
+            ("sample", {"type": "boolean"}, "a seeded sample instead of the mean"),
+            ("seed", {"type": "integer"}, "the sample's noise seed (with sample=true)"),
+            ("packed", {"type": "boolean"}, "FLUX's packed [B,(h/2)(w/2),4C] layout"),
+            ("timeout", {"type": "number"}, "seconds this request may wait to start (capped)"),
+        ]
     ],
 }

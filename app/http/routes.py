@@ -1,4 +1,4 @@
-"""The routes: health, readiness, the model list, metrics, and the two decode routes."""
+"""The routes: health, readiness, the model list, metrics, the decode and the encode routes."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse, Response
 from app.config import Settings
 from app.drain import Drain
 from app.http.decode import handle_decode
-from app.http.openapi import BODY_DOC
+from app.http.encode import handle_encode
+from app.http.openapi import BODY_DOC, ENCODE_BODY_DOC
 from app.metrics import Metrics
 from app.runtime import Runtime
 
@@ -35,7 +36,7 @@ def install_routes(
     @app.get("/models", summary="Each model: family, config, device, dtype, parity, fallback")
     async def models() -> dict[str, Any]:
         return {
-            "models": [m.describe() for m in runtime.models.values()],
+            "models": [_described(m.name, m.describe(), runtime) for m in runtime.models.values()],
             "errors": runtime.errors,
             "loading": runtime.loading,
             "default": settings.default_model,
@@ -54,6 +55,31 @@ def install_routes(
     @app.post("/decode", summary="Decode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=BODY_DOC)
     async def decode_default(request: Request) -> Response:
         return await handle_decode(request, None, runtime, metrics, settings, drain)
+
+    @app.post(
+        "/encode/{model}",
+        summary="Encode an image, video or pixel tensor to a latent",
+        openapi_extra=ENCODE_BODY_DOC,
+    )
+    async def encode_named(model: str, request: Request) -> Response:
+        return await handle_encode(request, model, runtime, metrics, settings, drain)
+
+    @app.post(
+        "/encode", summary="Encode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=ENCODE_BODY_DOC
+    )
+    async def encode_default(request: Request) -> Response:
+        return await handle_encode(request, None, runtime, metrics, settings, drain)
+
+
+def _described(name: str, model: dict[str, Any], runtime: Runtime) -> dict[str, Any]:
+    """A model's entry with its ``encoder`` (None: decoder-only; or the error that stops it)."""
+    if name in runtime.encoders:
+        encoder: dict[str, Any] | None = runtime.encoders[name].describe()
+    elif name in runtime.encoder_errors:
+        encoder = {"error": runtime.encoder_errors[name]}
+    else:
+        encoder = None
+    return {**model, "encoder": encoder}
 
 
 def _not_ready(runtime: Runtime, drain: Drain) -> str:

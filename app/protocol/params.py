@@ -48,7 +48,10 @@ OUTPUT_TYPES = ("pil", "pt", "mp4", "preview")
 DECODE_PARAMS = frozenset(REMOTE_DECODE_PARAMS + SERVICE_PARAMS)
 # what remote_encode sends (0.42: prepare_encode), and the encoder's own: for an encode route
 ENCODE_PARAMS = frozenset(
-    ("shape", "dtype", "scaling_factor", "shift_factor", "sample", "seed", "model", "timeout")
+    (
+        *("shape", "dtype", "scaling_factor", "shift_factor"),
+        *("do_scaling", "sample", "seed", "packed", "model", "timeout"),
+    )
 )
 
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}

@@ -8,6 +8,7 @@ import logging
 import re
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from app.config import Settings
 from app.metrics import Metrics
 from app.request import DecodeRequest
 from app.runtime import compiled
+from app.runtime.encoders import EncodeJob, ServedEncoder, load_encoders
 from app.runtime.registry import Registry, ServedModel
 from app.runtime.runner import Runner
 from app.runtime.scheduler import Job, Scheduler
@@ -22,7 +24,7 @@ from app.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime")
 
-__all__ = ["Job", "Runtime", "ServedModel"]
+__all__ = ["EncodeJob", "Job", "Runtime", "ServedEncoder", "ServedModel"]
 
 
 class Runtime:
@@ -46,6 +48,9 @@ class Runtime:
             max_streams=settings.streams_max,
         )
         self.on_device_lost: Callable[[str], None] = lambda reason: None
+        # store entry -> its served encoder (entries that hold one); why one is not served
+        self.encoders: dict[str, ServedEncoder] = {}
+        self.encoder_errors: dict[str, str] = {}
 
     # --- what the service reads -----------------------------------------------------------
     @property
@@ -78,6 +83,7 @@ class Runtime:
         self.registry.loading = True
         try:
             self.registry.load_all()
+            self.load_encoders()
             self.warm_up()
         finally:
             self.registry.loading = False
@@ -90,6 +96,22 @@ class Runtime:
 
     def submit(self, job: Job):
         return self.scheduler.submit(job)
+
+    def load_encoders(self) -> None:
+        """Load and gate the encoder of every served entry that holds one (unless
+        ``VAE_SERVE_ENCODERS=false``: then every encode is a 404, as for a decoder-only one)."""
+        if not self.settings.serve_encoders:
+            return
+        self.encoders, self.encoder_errors = load_encoders(
+            Path(self.settings.models_dir),
+            list(self.registry.models),
+            self.registry.device,
+            self.settings.parity_min_cos,
+            self.settings.verify_weights,
+        )
+
+    def submit_encode(self, job: EncodeJob):
+        return self.scheduler.submit_call(job)
 
     def warm_up(self) -> None:
         """Decode each ``VAE_WARMUP_SHAPES`` shape once on every model it fits (compiling it

@@ -98,13 +98,21 @@ class Job:
         return (self.model.name, *self.request.batch_key())
 
 
-@dataclass
+@dataclass(eq=False)
 class Call:
-    """Device work that is not a request (warm-up, compiles), run on the decode worker: the
-    thread whose cuDNN handles and algorithm caches the requests will use."""
+    """Device work that is not a decode (warm-up, compiles, an encode request), run on the
+    decode worker: the thread whose cuDNN handles and algorithm caches the requests will use.
+    A request's call (``submit_call``) has a deadline and can be abandoned, like a ``Job``."""
 
     fn: Callable[[], Any]
     future: Future = field(default_factory=Future)
+    deadline: float | None = None  # perf_counter time by which it must have started
+    enqueued: float = field(default_factory=time.perf_counter)
+    abandoned: threading.Event = field(default_factory=threading.Event)
+
+    def abandon(self) -> None:
+        self.abandoned.set()
+        self.future.cancel()
 
 
 class Scheduler:
@@ -165,7 +173,8 @@ class Scheduler:
             except queue.Empty:
                 break
             if isinstance(job, Call):
-                job.future.set_exception(exc)
+                if not job.future.done():  # an abandoned call's future is cancelled
+                    job.future.set_exception(exc)
             elif job is not None:
                 fail(job, exc)
                 failed += 1
@@ -179,6 +188,20 @@ class Scheduler:
         item = Call(fn)
         self._queue.put(item)
         return item.future.result()
+
+    def submit_call(self, call: Call) -> Future:
+        """Queue a request's device work that is not a decode (an encode): same queue, order
+        and refusals as ``submit``; answered through ``call.future``."""
+        if self._stopping:
+            raise Stopped("the service is shutting down")
+        if self.device_lost:
+            raise DeviceLost(self.device_lost)
+        try:
+            self._queue.put_nowait(call)
+        except queue.Full:
+            raise QueueFull from None
+        self.metrics.queue_depth.set(self._queue.qsize())
+        return call.future
 
     def submit(self, job: Job) -> Future:
         if self._stopping:
@@ -382,6 +405,12 @@ class Scheduler:
 
 
 def _run_call(call: Call) -> None:
+    if call.abandoned.is_set() or not call.future.set_running_or_notify_cancel():
+        return  # its caller left while it was queued
+    now = time.perf_counter()
+    if call.deadline is not None and now > call.deadline:
+        call.future.set_exception(DeadlineExceeded(now - call.enqueued))
+        return
     try:
         call.future.set_result(call.fn())
     except Exception as exc:

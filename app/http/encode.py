@@ -1,0 +1,150 @@
+"""``POST /encode``: head -> model -> its encoder -> validated request -> queue -> worker ->
+the latent (raw bytes with ``shape``/``dtype`` headers, safetensors or ``.npy``).
+
+The same path as a decode (app/http/decode.py): the event loop never encodes; the request is
+an ``EncodeJob`` on the decode worker's queue, with the same deadlines, refusals and JSON
+errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import logging
+import time
+
+import numpy as np
+import torch
+from fastapi import Request, Response
+
+from app import media
+from app.config import Settings
+from app.drain import Drain
+from app.http.accounting import finisher, server_timing
+from app.http.decode import BODY_LEFT_UNREAD, _outcome, deadline, read_body, resolve_model
+from app.http.errors import CLIENT_GONE, ClientGone, error_response, runtime_error
+from app.metrics import Metrics
+from app.protocol import ProtocolError
+from app.protocol.encode import EncoderGeometry, parse_encode_head, validate_encode
+from app.request import EncodeRequest, LatentFormat
+from app.runtime import EncodeJob, Runtime, ServedEncoder
+from app.runtime.scheduler import DeviceLost, QueueFull, Stopped
+from app.timing import PhaseTimer
+
+log = logging.getLogger("app.service")
+OUTPUT_LABEL = "latent"  # the output label of an encode's metrics (kind "tensor")
+
+
+async def handle_encode(
+    request: Request,
+    name: str | None,
+    runtime: Runtime,
+    metrics: Metrics,
+    settings: Settings,
+    drain: Drain,
+) -> Response:
+    started = time.perf_counter()
+    timer = PhaseTimer()
+    drain.active += 1
+    try:
+        response = await _answer(request, name, runtime, settings, drain, timer)
+    except BaseException:  # cancelled by a hard shutdown: still account for it
+        drain.active -= 1
+        raise
+    response.headers["Server-Timing"] = server_timing(timer.phases(), time.perf_counter() - started)
+    response.headers.setdefault("x-output", OUTPUT_LABEL)
+    finish = finisher(request, response, name, runtime, metrics, drain, timer, started, "encode")
+    finish(len(response.body))
+    return response
+
+
+async def _answer(
+    request: Request,
+    name: str | None,
+    runtime: Runtime,
+    settings: Settings,
+    drain: Drain,
+    timer: PhaseTimer,
+) -> Response:
+    """The encode's response, or the JSON error that answers it instead."""
+    try:
+        if drain.draining:
+            raise ProtocolError(503, "the service is shutting down", "retry: another instance")
+        return await _encode(request, name, runtime, settings, timer)
+    except ProtocolError as exc:
+        headers = {"Retry-After": str(settings.retry_after_s)} if exc.status in (429, 503) else {}
+        if drain.draining or exc.status in BODY_LEFT_UNREAD:
+            headers["Connection"] = "close"
+        return error_response(exc.status, exc.body(), headers)
+    except ClientGone:
+        return error_response(CLIENT_GONE, {"error": "the client disconnected"})
+    except Exception:  # a server bug: answer JSON, keep the request's log line and metrics
+        log.exception("encode request %s failed", request.state.request_id)
+        return error_response(500, {"error": "internal server error"})
+
+
+async def _encode(
+    request: Request, name: str | None, runtime: Runtime, settings: Settings, timer: PhaseTimer
+) -> Response:
+    with timer.phase("parse"):
+        head = parse_encode_head(list(request.query_params.multi_items()), request.headers.items())
+        model = resolve_model(name or head.params.model, runtime, settings)
+        served = served_encoder(runtime, model.name)
+
+        async def read(limit: int) -> bytes:
+            return await read_body(request, limit, settings.body_timeout_s)
+
+        encode = await validate_encode(
+            head,
+            EncoderGeometry.of(served.active),
+            model.limits(settings.limits()),
+            read,
+            deadline=deadline(request.state.started, head, settings),  # type: ignore[arg-type]
+            request_id=request.state.request_id,
+        )
+        request.state.shape = list(encode.pixels.shape)
+    job = EncodeJob(served, encode, timer)
+    try:
+        runtime.submit_encode(job)
+    except (QueueFull, Stopped, DeviceLost) as exc:
+        raise runtime_error(exc, model.name) from None
+    latent = await _outcome(request, job, job.future)  # type: ignore[arg-type]
+    response = await asyncio.to_thread(latent_response, latent, encode, timer)
+    response.headers["x-model"] = model.name
+    response.headers["x-output"] = OUTPUT_LABEL
+    return response
+
+
+def served_encoder(runtime: Runtime, name: str) -> ServedEncoder:
+    """The model's served encoder; 404 for a decoder-only entry, 503 for one that failed."""
+    if name in runtime.encoders:
+        return runtime.encoders[name]
+    if name in runtime.encoder_errors:
+        raise ProtocolError(
+            503, f"the encoder of model {name!r} is not served: {runtime.encoder_errors[name]}"
+        )
+    if not runtime.settings.serve_encoders:
+        raise ProtocolError(
+            404, "this instance serves no encoders (VAE_SERVE_ENCODERS=false)", "POST /decode"
+        )
+    with_encoder = ", ".join(sorted(runtime.encoders)) or "none"
+    raise ProtocolError(
+        404,
+        f"model {name!r} holds no encoder (a decoder-only entry): it can decode, not encode",
+        f"a model with an encoder ({with_encoder}), or import a checkpoint that has one",
+    )
+
+
+def latent_response(latent: torch.Tensor, request: EncodeRequest, timer: PhaseTimer) -> Response:
+    """The latent in the format asked for; every format carries the shape/dtype headers."""
+    with timer.phase("encode"):
+        data, headers = media.tensor_bytes(latent)
+        if request.latent_format is LatentFormat.SAFETENSORS:
+            from safetensors.torch import save
+
+            data = save({"latent": latent.contiguous()})
+        elif request.latent_format is LatentFormat.NPY:
+            buffer = io.BytesIO()
+            np.save(buffer, latent.numpy(), allow_pickle=False)
+            data = buffer.getvalue()
+        return Response(data, media_type=request.latent_format.value, headers=headers)
