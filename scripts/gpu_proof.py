@@ -533,7 +533,10 @@ class Proof:
                 path = Path(tmp) / "video.mp4"
                 path.write_bytes(r.content)
                 counted = imageio_ffmpeg.count_frames_and_secs(str(path))[0] if r.ok else 0
+                time.sleep(0.5)  # the stream's phases are observed as it ends
+                observed = _phase_sums(url, name)
             phases = _server_timing(r.headers.get("server-timing", ""))
+            phases.setdefault("encode", observed.get("encode"))
             entry = {"model": name, "frames": counted, "expected_frames": frames,
                      "cores": len(cores), "ms_total": wall, "decode_ms": _decode_ms(phases),
                      "encode_ms": phases.get("encode"), "phases": phases,
@@ -667,6 +670,21 @@ def _server_timing(header: str) -> dict[str, float]:
         if dur:
             phases[name] = float(dur)
     return phases
+
+
+def _phase_sums(url: str, model: str) -> dict[str, float]:
+    """ms per phase of ``model``'s requests so far, from the service's /metrics (a streamed
+    MP4's encode time is known only once its stream ends: no header carries it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vae_phase_seconds_sum" and sample.labels.get("model") == model:
+                phase = sample.labels.get("phase", "")
+                out[phase] = out.get(phase, 0.0) + sample.value * 1000
+    return out
 
 
 def _decode_ms(phases: dict[str, float]) -> float:
