@@ -412,7 +412,7 @@ class VideoSection:
                         raise
                     entry = {"ms": None, "error": "out of memory"}
             entry.update(family=model.name, choice=name, value=value,
-                         served=value == _served_value(name, self.device))  # fmt: skip
+                         served=value == _served_value(name, model.family, self.device))  # fmt: skip
             self.proof.report["video_choices"].append(entry)
             print(f"  {model.name} choice {name}={value}: {entry}", flush=True)
 
@@ -463,15 +463,16 @@ def _candidates(model: VideoModel, fast: Any, device: torch.device):
             yield "max_batch_tokens", n, {"max_batch_tokens": n}, none
 
 
-def _served_value(choice: str, device: torch.device) -> Any:
+def _served_value(choice: str, family: str, device: torch.device) -> Any:
+    """What ``family`` serves on ``device`` for ``choice`` today."""
     from app.decoders.ltx import decode as ltx_decode
     from app.decoders.minimax_h3 import decode as mm_decode
+    from app.decoders.wan import decode as wan_decode
 
-    return {
-        "chunk_frames": ltx_decode.chunk_frames_for(device),  # wan's table is the same today
-        "max_batch_tokens": mm_decode.batch_tokens_for(device),
-        "rmsnorm_float32": True,
-    }.get(choice)
+    if choice == "chunk_frames":
+        return (wan_decode if family == "wan" else ltx_decode).chunk_frames_for(device)
+    return {"max_batch_tokens": mm_decode.batch_tokens_for(device),
+            "rmsnorm_float32": True}.get(choice)  # fmt: skip
 
 
 class _wan_rmsnorm_upcast:
