@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -189,9 +190,13 @@ class VideoSection:
                                   "cuda": torch.version.cuda}  # fmt: skip
 
     def run(self) -> None:
-        self.rows.extend(meta_rows())
+        """Meta rows, each chosen model on the device, then the L4 pass. ``PROOF_VIDEO_MODELS``
+        (comma-separated names) picks models: a rerun after a timeout takes the rest."""
+        chosen = [n for n in os.environ.get("PROOF_VIDEO_MODELS", "").split(",") if n]
+        models = [m for m in MODELS if not chosen or m.name in chosen]
+        self.rows.extend(meta_rows(models=models))
         self.proof.write()
-        for model in MODELS:
+        for model in models:
             try:
                 self.one_model(model)
             except Exception as exc:  # one model's failure does not stop the others
