@@ -190,12 +190,14 @@ class VideoSection:
                                   "cuda": torch.version.cuda}  # fmt: skip
 
     def run(self) -> None:
-        """Meta rows, each chosen model on the device, then the L4 pass. ``PROOF_VIDEO_MODELS``
-        (comma-separated names) picks models: a rerun after a timeout takes the rest."""
+        """Meta rows (on a GPU only with ``PROOF_VIDEO_META=1``: they need no device), each
+        chosen model on the device, then the L4 pass. ``PROOF_VIDEO_MODELS`` (comma-separated
+        names) picks models: a rerun after a timeout takes the rest."""
         chosen = [n for n in os.environ.get("PROOF_VIDEO_MODELS", "").split(",") if n]
         models = [m for m in MODELS if not chosen or m.name in chosen]
-        self.rows.extend(meta_rows(models=models))
-        self.proof.write()
+        if not self.cuda or os.environ.get("PROOF_VIDEO_META") == "1":  # CPU-only work
+            self.rows.extend(meta_rows(models=models))
+            self.proof.write()
         for model in models:
             try:
                 self.one_model(model)
