@@ -15,6 +15,10 @@ every section, so a run cut short still leaves its report):
   compile  torch.compile of the served FLUX decode: compile time, speed, cosine vs eager
   profile  the compiled FLUX 1024^2 decode kernel by kernel (NCHW and channels_last), against
            its FLOPs and the card's bf16 GEMM rate
+  video    every video family at its real size (scripts/video_proof.py): as served vs
+           diffusers, kernels, bf16 parity, layouts, device-aware choices, an emulated L4, and
+           an HTTP MP4 of LTX 121x512x768 from a server pinned to 6 cores; on any machine the
+           real sizes' estimates, live peaks and planned rungs on the meta device
 Writes gpu_proof.json ({"device", "gate", "flux", "e2e", "ladder", "l4", "ok", ...}) and
 gpu_proof.md to --out (default $OUT, else /tmp/gpu_proof). Exits 1 on a gate failure, a
 request error, an ungated served path or a section that failed.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -51,6 +56,7 @@ from app.runtime.runner import Runner  # noqa: E402
 from app.timing import PhaseTimer  # noqa: E402
 from bench import common  # noqa: E402
 from bench import flux as flux_bench  # noqa: E402
+from scripts import video_proof  # noqa: E402
 
 # the quick run's image model: the same tiny FLUX as tests/live.py's "flux-tiny" (scripts
 # import nothing from tests/)
@@ -79,6 +85,9 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
+# the gate's model of a family that embeds none (taesd: its seeded architecture)
+SEEDED = {"taesd": {"taesd-seeded": {"variant": "taef1"}}}
 
 L4_MEMORY_GB = 22.0  # what an L4's 24 GB leaves a process after the CUDA context
 
@@ -142,7 +151,8 @@ class Proof:
         FLUX.1 for a tiny one (minutes of float32 CPU decoding otherwise)."""
         out = []
         for family in FAMILIES:
-            for name, config in getattr(family_module(family), "SYNTHETIC", {}).items():
+            embedded = getattr(family_module(family), "SYNTHETIC", {}) or SEEDED.get(family, {})
+            for name, config in embedded.items():
                 if self.quick and name == "flux1-synthetic":
                     name, config = "flux-tiny", TINY_FLUX["flux-tiny"]
                 out.append((family, name, config))
@@ -484,6 +494,58 @@ class Proof:
         self.report["profile"] = {"size": size, "flops": flops, "gemm_tflops": gemm / 1e12}
         self.report["profile"]["rows"] = rows
 
+    # --- video ----------------------------------------------------------------------------
+    def video(self) -> None:
+        video_proof.VideoSection(self, _kernel_profile).run()
+        self.report["video_choices"] += video_proof.flux_band_rows(self.device, self.quick)
+        self.write()
+        self._video_mp4()
+
+    def _video_mp4(self) -> None:
+        """One MP4 of LTX 0.9.1 121x512x768 (quick: ltx-tiny, 33 frames) over HTTP from a
+        server pinned to 6 cores: decode and encode (Server-Timing), wall time, frame count."""
+        import imageio_ffmpeg
+
+        cores = sorted(os.sched_getaffinity(0))[:6]
+        with tempfile.TemporaryDirectory() as tmp:
+            store = Path(tmp) / "models"
+            if self.quick:
+                name, frames, shape = "ltx-tiny", 33, (1, 128, 5, 8, 8)
+                _run([sys.executable, "-m", "app", "bake", "--synthetic", "--models-dir",
+                      str(store), "--only", name])  # fmt: skip
+            else:
+                name, frames, shape = "ltx-0.9.1-synthetic", 121, (1, 128, 16, 16, 24)
+                bake(store, "ltx", name, video_proof.CONFIG_091)
+            env = {"VAE_DEVICE": self.device.type, "VAE_WARMUP_SHAPES": ""}
+            pin = ["taskset", "-c", ",".join(map(str, cores))] if shutil.which("taskset") else []
+            if not pin:
+                self.note("video mp4: no taskset here, the server is not pinned")
+            server = _server(store, Path(tmp) / "serve.log", env, prefix=pin)
+            with server as url:
+                z = np.random.default_rng(2).standard_normal(shape, dtype=np.float32)
+                t0 = time.perf_counter()
+                r = requests.post(
+                    f"{url}/decode/{name}",
+                    params={"shape": json.dumps(list(z.shape)), "output_type": "mp4"},
+                    data=z.tobytes(), headers={"Content-Type": "tensor/binary"}, timeout=600,
+                )  # fmt: skip
+                wall = (time.perf_counter() - t0) * 1000
+                path = Path(tmp) / "video.mp4"
+                path.write_bytes(r.content)
+                counted = imageio_ffmpeg.count_frames_and_secs(str(path))[0] if r.ok else 0
+                time.sleep(0.5)  # the stream's phases are observed as it ends
+                observed = _phase_sums(url, name)
+            phases = _server_timing(r.headers.get("server-timing", ""))
+            phases.setdefault("encode", observed.get("encode"))
+            entry = {"model": name, "frames": counted, "expected_frames": frames,
+                     "cores": len(cores), "ms_total": wall, "decode_ms": _decode_ms(phases),
+                     "encode_ms": phases.get("encode"), "phases": phases,
+                     "status": r.status_code}  # fmt: skip
+            self.report["video_mp4"] = entry
+            print(f"  video mp4: {entry}", flush=True)
+            if r.status_code != 200 or counted != frames:
+                self.fail(f"video mp4: {r.status_code}, {counted} frames: {r.text[:200]}")
+
     # --- encoder --------------------------------------------------------------------------
     def encoder(self) -> None:
         from app import video
@@ -610,6 +672,21 @@ def _server_timing(header: str) -> dict[str, float]:
     return phases
 
 
+def _phase_sums(url: str, model: str) -> dict[str, float]:
+    """ms per phase of ``model``'s requests so far, from the service's /metrics (a streamed
+    MP4's encode time is known only once its stream ends: no header carries it)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vae_phase_seconds_sum" and sample.labels.get("model") == model:
+                phase = sample.labels.get("phase", "")
+                out[phase] = out.get(phase, 0.0) + sample.value * 1000
+    return out
+
+
 def _decode_ms(phases: dict[str, float]) -> float:
     host = {"parse", "queue", "encode", "total"}
     return sum(v for k, v in phases.items() if k not in host)
@@ -632,13 +709,26 @@ def _run(cmd: list[str]) -> None:
 class _server:
     """``python -m app serve`` on a loopback port until the block ends."""
 
-    def __init__(self, store: Path, log: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, store: Path, log: Path, env: dict[str, str], prefix: list[str] | None = None
+    ) -> None:
         self.store, self.log, self.env = store, log, env
+        self.prefix = prefix or []  # e.g. taskset: the server pinned to some cores
 
     def __enter__(self) -> str:
         port = free_port()
         env = {**os.environ, "VAE_LOG_FORMAT": "text", **self.env}
-        cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "app",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [*cmd, "--models-dir", str(self.store)], cwd=ROOT, env=env, stdout=out, stderr=out
@@ -771,10 +861,59 @@ def markdown(r: dict) -> str:
             ]
             for t in row["kernels"]["top"]:
                 lines.append(f"| `{t['name']}` | {t['calls']} | {t['ms']:.2f} |")
+    lines += video_markdown(r)
     lines += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
     if r["errors"]:
         lines += ["", "## Errors", ""] + [f"```\n{e}\n```" for e in r["errors"]]
     return "\n".join(lines) + "\n"
+
+
+def video_markdown(r: dict) -> list[str]:
+    """The video section's tables (scripts/video_proof.py)."""
+    if not r.get("video"):
+        return []
+    versions = r.get("versions", {})
+    lines = [
+        "",
+        "## Video families at their real sizes",
+        "",
+        ", ".join(f"{k} {v}" for k, v in versions.items()) or "(no CUDA: versions not read)",
+        "",
+        "| family | frames x H x W | device | variant | run | rung | estimate MiB | peak MiB "
+        "| reserved MiB | ms | budget MiB | retries |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in r["video"]:
+        cells = [v["family"], f"{v['frames']}x{v['height']}x{v['width']}", v["device"],
+                 v["variant"], v.get("run", ""), v["rung"] or "", v["estimate_mib"],
+                 v["peak_mib"], v.get("reserved_mib"), v["ms"], v["budget_mib"],
+                 v.get("retries") or v.get("error", "")]  # fmt: skip
+        lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    lines += ["", "Parity, served bf16 vs float32 on the device (3 latent frames, full size):", "",
+              "| family | latent | cosine | PSNR dB | passed |", "|---|---|---|---|---|"]  # fmt: skip
+    for p in r.get("video_parity", []):
+        lines.append(f"| {p['family']} | {p['latent']} | {p['cos']:.7f} | {p['psnr_db']} | "
+                     f"{p['passed']} |")  # fmt: skip
+    lines += ["", "Kernels of one warm 2-frame chunk:", "",
+              "| family | by kind (ms) | slow conv kernels |", "|---|---|---|"]  # fmt: skip
+    for k in r.get("video_kernels", []):
+        kinds = ", ".join(f"{n} {v:.1f}" for n, v in sorted(k["by_kind_ms"].items()))
+        lines.append(f"| {k['family']} | {kinds} | {', '.join(k['slow_kernels']) or 'none'} |")
+    lines += ["", "3-D conv layout of the served copy:", "",
+              "| family | layout | ms | served |", "|---|---|---|---|"]  # fmt: skip
+    for x in r.get("video_layout", []):
+        lines.append(f"| {x['family']} | {x['layout']} | {x['ms']} | {x['served']} |")
+    lines += ["", "Device-aware choices (issue 23.7):", "",
+              "| family | choice | value | ms | peak MiB | served |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for c in r.get("video_choices", []):
+        lines.append(f"| {c['family']} | {c['choice']} | {c['value']} | {c.get('ms')} | "
+                     f"{c.get('peak_mib', '')} | {c['served']} |")  # fmt: skip
+    mp4 = r.get("video_mp4")
+    if mp4:
+        lines += ["", f"HTTP MP4 ({mp4['model']}, server on {mp4['cores']} cores): "
+                  f"{mp4['frames']}/{mp4['expected_frames']} frames, wall {mp4['ms_total']:.0f} ms, "
+                  f"decode {mp4['decode_ms']:.0f} ms, encode {mp4['encode_ms']} ms"]  # fmt: skip
+    return lines
 
 
 def main() -> None:
@@ -789,6 +928,7 @@ def main() -> None:
     proof = Proof(device, args.quick, args.out)
     print(devices.runtime_summary(args.device), flush=True)
     sections = ["encoder", "gate", "flux", "e2e", "graphs", "ladder", "l4", "compile", "profile"]
+    sections.append("video")
     for name in args.only or sections:
         proof.section(name, getattr(proof, name))
     proof.write()

@@ -85,6 +85,15 @@ def _dockerfile() -> list[tuple[str, str]]:
     return out
 
 
+def test_dockerfile_gpu_exposes_nvenc_to_the_container():
+    """Without the ``video`` driver capability the NVIDIA runtime mounts no NVENC library and
+    h264_nvenc never comes up on the L4 (issue 23.8)."""
+    env = " ".join(args for word, args in _dockerfile() if word == "ENV")
+    match = re.search(r"NVIDIA_DRIVER_CAPABILITIES=(\S+)", env)
+    assert match, "Dockerfile.gpu sets no NVIDIA_DRIVER_CAPABILITIES"
+    assert {"compute", "utility", "video"} <= set(match.group(1).strip("\"'").split(","))
+
+
 def _dockerignored(rel: str, patterns: list[str]) -> bool:
     parts = rel.strip("/").split("/")
     prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]

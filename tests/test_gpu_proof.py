@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -28,7 +29,7 @@ def test_gpu_proof_runs_on_the_cpu_and_writes_its_report(tmp_path):
     report = json.loads((tmp_path / "gpu_proof.json").read_text())
     assert {"device", "gate", "flux", "e2e", "ok"} <= set(report) and report["ok"] is True
     families = {row["family"] for row in report["gate"]}
-    assert {"flux", "ltx", "minimax-h3"} <= families
+    assert {"flux", "ltx", "minimax-h3", "wan", "hunyuan-video", "taesd"} <= families
     for row in report["gate"]:
         assert {"model", "family", "dtype", "cos", "psnr_db", "passed"} <= set(row)
         assert row["passed"] and row["cos"] >= 0.9999
@@ -38,8 +39,6 @@ def test_gpu_proof_runs_on_the_cpu_and_writes_its_report(tmp_path):
 
 def test_kernel_profile_accounts_a_decode_by_kind_and_renders():
     """The profile section's accounting, run on the CPU (aten ops stand in for kernels)."""
-    import importlib.util
-
     import torch
 
     from app.decoders import flux
@@ -64,3 +63,76 @@ def test_kernel_profile_accounts_a_decode_by_kind_and_renders():
     }  # fmt: skip
     text = proof.markdown(report)
     assert "kernel by kernel" in text and kernels["top"][0]["name"][:20] in text
+
+
+def _video_proof():
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    return importlib.import_module("scripts.video_proof")
+
+
+def test_video_meta_rows_plan_the_real_sizes_under_an_l4():
+    """The CPU half of the video section: a row per real size in issue 23's schema, its
+    estimate within 1.0-1.5x of the live peak, and MiniMax-H3 (cannot tile) not refused."""
+    video = _video_proof()
+    model = next(m for m in video.MODELS if m.name == "minimax-h3")
+    (row,) = video.meta_rows(models=(model,))
+    assert set(SCHEMA) <= set(row)
+    assert (row["frames"], row["height"], row["width"]) == (209, 768, 1344)
+    assert row["device"] == "meta" and row["variant"] == "service" and row["ms"] is None
+    assert row["rung"] == "whole" and row["budget_mib"] > row["estimate_mib"]
+    assert 1.0 <= row["estimate_mib"] / row["peak_mib"] <= 1.5
+
+
+SCHEMA = ("family", "frames", "height", "width", "device", "variant", "estimate_mib",
+          "peak_mib", "ms", "rung", "budget_mib")  # fmt: skip
+
+
+class _Report:
+    """What the video section reads of gpu_proof's ``Proof``: its report and verdicts."""
+
+    def __init__(self, device):
+        self.device, self.quick = device, True
+        self.report = {"notes": [], "errors": [], "ok": True}
+
+    def fail(self, message):
+        self.report["errors"].append(message)
+        self.report["ok"] = False
+
+    def note(self, message):
+        self.report["notes"].append(message)
+
+    def write(self):
+        pass
+
+
+def test_video_section_on_the_cpu_serves_parities_and_times_one_family():
+    """The device half at a tiny size: service rows cold and warm (uint8 frames), diffusers
+    in both layouts agreeing with the service, parity, kernels, layouts and chunk choices."""
+    import torch
+
+    video = _video_proof()
+    spec = importlib.util.spec_from_file_location("gpu_proof", ROOT / "scripts" / "gpu_proof.py")
+    proof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proof)
+    report = _Report(torch.device("cpu"))
+    section = video.VideoSection(report, proof._kernel_profile)
+    model = next(m for m in video.MODELS if m.name == "ltx-0.9.1")
+    section.one_model(model)
+    r = report.report
+    assert r["ok"], r["errors"]
+    rows = r["video"]
+    service = [x for x in rows if x["variant"] == "service"]
+    assert [x["run"] for x in service] == ["cold", "warm"]
+    assert all(x["ok"] and x["rung"] == "whole" and x["dtype"] == "uint8" for x in service)
+    frames = model.tiny_size[0]
+    assert service[0]["output"] == [frames, model.tiny_size[1], model.tiny_size[2], 3]
+    peers = {x["variant"] for x in rows if "diffusers" in x["variant"]}
+    assert peers == {"diffusers NCDHW", "diffusers channels_last_3d"}
+    assert all(set(SCHEMA) <= set(x) for x in rows)
+    assert r["video_peer_cos"][0]["cos"] > 0.9999  # the peer decodes what the service does
+    assert r["video_parity"][0]["passed"]
+    assert {x["layout"] for x in r["video_layout"]} == {"NCDHW", "channels_last_3d"}
+    assert {x["value"] for x in r["video_choices"]} >= {2, 4}

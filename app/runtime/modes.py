@@ -16,6 +16,10 @@ from app.decoders.base import VAEDecoder
 from app.runtime.device import cpu_has_fast_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# 3-D conv weight layout of each video family's copy on a GPU (issue 23.4), by name; NCDHW
+# until the GPU proof's `video` section measures channels_last_3d faster on the card.
+GPU_CONV3D_LAYOUT = {"ltx": "NCDHW", "wan": "NCDHW", "hunyuan-video": "NCDHW"}
+CONV3D_LAYOUTS = {"NCDHW": torch.contiguous_format, "channels_last_3d": torch.channels_last_3d}
 
 
 @dataclass(frozen=True)
@@ -65,9 +69,19 @@ def build(reference: VAEDecoder, device: torch.device, mode: Mode) -> VAEDecoder
             _set_buffer(fast, name, buffer.to(device))
     if fast.channels_last and device.type == "cpu":  # on a GPU, cuDNN runs NCHW faster
         fast = fast.to(memory_format=torch.channels_last)
+    if device.type == "cuda":
+        set_conv3d_layout(fast, GPU_CONV3D_LAYOUT.get(fast.family, "NCDHW"))
     if mode.optimized:
         fast.optimize()
     return fast.eval().requires_grad_(False)
+
+
+def set_conv3d_layout(decoder: VAEDecoder, layout: str) -> None:
+    """Lay out every 5-D weight of ``decoder`` as ``layout`` (a key of ``CONV3D_LAYOUTS``)."""
+    memory_format = CONV3D_LAYOUTS[layout]
+    for param in decoder.parameters():
+        if param.ndim == 5:
+            param.data = param.data.contiguous(memory_format=memory_format)
 
 
 def _set_buffer(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:

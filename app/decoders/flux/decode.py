@@ -25,6 +25,14 @@ BAND_MIN_PIXELS = 1024 * 1024
 # 128-channel maps at once; row bands hold the block's input and one activation.
 UNTILED_VALUES_PER_PIXEL = 800
 BANDED_VALUES_PER_PIXEL = 460
+# Bytes of float32 temporaries per row band by device type (issue 23.7: the out-of-memory
+# retry's band): a GPU keeps 32 MiB until the GPU proof measures GPU_BAND_BYTES_CANDIDATES.
+BAND_BYTES = {"cpu": fast.ROW_BAND_BYTES, "cuda": fast.ROW_BAND_BYTES}
+GPU_BAND_BYTES_CANDIDATES = (32 << 20, 128 << 20, 512 << 20)
+
+
+def band_bytes_for(device: torch.device) -> int:
+    return BAND_BYTES.get(device.type, fast.ROW_BAND_BYTES)
 
 
 class Decoder(Architecture, VAEDecoder):
@@ -99,4 +107,4 @@ class Decoder(Architecture, VAEDecoder):
 
     def optimize(self) -> None:
         fast.optimize(self)
-        self.band_bytes = fast.ROW_BAND_BYTES
+        self.band_bytes = band_bytes_for(self.conv_in.weight.device)

@@ -30,6 +30,17 @@ from app.decoders.ltx import ltx2, streaming
 from app.decoders.ltx.model import DEFAULT_FPS, Architecture
 
 DEFAULT_CHUNK_FRAMES = 2  # latent frames per streamed chunk
+# Latent frames per chunk by device type (issue 23.7): 2 keeps a CPU chunk in cache; a GPU
+# keeps 2 until the GPU proof's `video` section measures GPU_CHUNK_CANDIDATES on a card.
+CHUNK_FRAMES = {"cpu": DEFAULT_CHUNK_FRAMES, "cuda": DEFAULT_CHUNK_FRAMES}
+GPU_CHUNK_CANDIDATES = (2, 4, 8)
+
+
+def chunk_frames_for(device: torch.device) -> int:
+    """The served chunk length on ``device`` (a request's or config's ``chunk_frames`` wins)."""
+    return CHUNK_FRAMES.get(device.type, DEFAULT_CHUNK_FRAMES)
+
+
 DEFAULT_TILE_CELLS, DEFAULT_TILE_OVERLAP = 16, 4  # latent cells (``tiled=True``)
 # Working memory of one chunk per pixel of the last block's resolution and output frame of
 # the chunk, in values of the compute dtype per channel of that block (measured on the meta
@@ -88,7 +99,8 @@ class Decoder(Architecture, VAEDecoder):
         last block (of one tile when ``tiled``, plus the chunk's blend buffers)."""
         b, h, w = latent_shape[0], latent_shape[-2], latent_shape[-1]
         frames = latent_shape[2] if len(latent_shape) == 5 else 1
-        chunk_frames = min(frames, DEFAULT_CHUNK_FRAMES) * self.temporal_scale
+        chunk = chunk_frames_for(next(self.parameters()).device)
+        chunk_frames = min(frames, chunk) * self.temporal_scale
         out = self.output_values(latent_shape)
         blend = 0
         if tiled:
@@ -159,6 +171,8 @@ class Decoder(Architecture, VAEDecoder):
         z = z.to(device=weight.device, dtype=weight.dtype)
         if z.ndim == 4:
             z = z.unsqueeze(2)
+        chunk = self.option(options, "chunk_frames", chunk_frames_for(weight.device))
+        options = {**options, "chunk_frames": chunk}
         with timing.phase("condition"):
             cond = self.conditioning(z, options)
         yield from streaming.stream(self, z, cond, options, self.spatial_scale)

@@ -29,6 +29,17 @@ from app.decoders.minimax_h3.schedule import (
 )
 
 DEFAULT_BATCH_TOKENS = 16384  # tokens per block-stack call when tiles are batched
+# Tokens per call by device type (issue 23.7): a GPU keeps 16,384 until the GPU proof's
+# `video` section measures GPU_BATCH_TOKEN_CANDIDATES on a card.
+BATCH_TOKENS = {"cpu": DEFAULT_BATCH_TOKENS, "cuda": DEFAULT_BATCH_TOKENS}
+GPU_BATCH_TOKEN_CANDIDATES = (16384, 32768, 65536)
+
+
+def batch_tokens_for(device: torch.device) -> int:
+    """Tokens per block-stack call on ``device`` (a request's ``max_batch_tokens`` wins)."""
+    return BATCH_TOKENS.get(device.type, DEFAULT_BATCH_TOKENS)
+
+
 # Working memory of one block-stack call per token, in values of the compute dtype per model
 # dimension (measured on the meta device with tests/test_memory_estimate.py): the float32
 # residual stream and its copy, q/k/v and the attention output, the SwiGLU projection.
@@ -87,7 +98,8 @@ class Decoder(Architecture, VAEDecoder):
         h, w = min(latent_shape[-2], cells), min(latent_shape[-1], cells)
         tile_tokens = clip * h * w + cfg["decoder_num_register_tokens"] + 1
         tiles = latent_shape[0] * -(-latent_shape[-2] // cells) * -(-latent_shape[-1] // cells)
-        per_call = min(max(1, DEFAULT_BATCH_TOKENS // tile_tokens), tiles) * tile_tokens
+        device = next(self.parameters()).device
+        per_call = min(max(1, batch_tokens_for(device) // tile_tokens), tiles) * tile_tokens
         dim = cfg["decoder_num_attention_heads"] * cfg["decoder_attention_head_dim"]
         call = per_call * dim * CALL_VALUES_PER_TOKEN_PER_DIM
         return int((self.output_values(latent_shape) + call) * element_size)
@@ -241,6 +253,6 @@ class Decoder(Architecture, VAEDecoder):
         """``[S,C,t,h,w]`` independent tiles -> ``[S,3,t*pt,h*p,w*p]``, in groups."""
         _, _, t, h, w = z.shape
         tokens = t * h * w + self.decoder.register_tokens.shape[1] + 1
-        budget = int(options.get("max_batch_tokens") or DEFAULT_BATCH_TOKENS)
+        budget = int(options.get("max_batch_tokens") or batch_tokens_for(z.device))
         parts = [self(part) for part in z.split(max(1, budget // tokens))]
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -26,6 +26,17 @@ from app.decoders.wan.model import Architecture, FrameCache, unpatchify
 from app.timing import phase
 
 DEFAULT_CHUNK_FRAMES = 2  # latent frames per streamed chunk
+# Latent frames per chunk by device type (issue 23.7): a GPU keeps 2 until the GPU proof's
+# `video` section measures GPU_CHUNK_CANDIDATES on a card.
+CHUNK_FRAMES = {"cpu": DEFAULT_CHUNK_FRAMES, "cuda": DEFAULT_CHUNK_FRAMES}
+GPU_CHUNK_CANDIDATES = (2, 4, 8)
+
+
+def chunk_frames_for(device: torch.device) -> int:
+    """The served chunk length on ``device`` (a request's ``chunk_frames`` wins)."""
+    return CHUNK_FRAMES.get(device.type, DEFAULT_CHUNK_FRAMES)
+
+
 # Working memory of one chunk per pixel of one output frame, in values of the compute dtype
 # per channel of the full-resolution stage (measured on the meta device with
 # tests/test_memory_estimate.py): a chunk's full-resolution frames through a resnet (input,
@@ -147,7 +158,8 @@ class Decoder(Architecture, VAEDecoder):
         if z.ndim == 4:
             z = z.unsqueeze(2)
         z = ops.to_model(z, self.conv_in.weight)
-        step = int(options.get("chunk_frames", DEFAULT_CHUNK_FRAMES)) or z.shape[2]
+        chunk = options.get("chunk_frames", chunk_frames_for(z.device))
+        step = int(chunk) or z.shape[2]
         grid = self._grid(z, options) if options.get("tiled") else None
         caches = [FrameCache() for _ in (grid.tiles if grid else [None])]
         for t0 in range(0, z.shape[2], step):
