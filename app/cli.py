@@ -98,6 +98,7 @@ def _bake(args: argparse.Namespace) -> int:
     import torch
 
     from app.decoders import FAMILIES, family_module
+    from app.runtime.references import store_reference
     from app.store import WEIGHTS, list_models, write_model
 
     store = Path(args.models_dir)
@@ -118,7 +119,8 @@ def _bake(args: argparse.Namespace) -> int:
                 source="synthetic:seed=0",
                 dtype="float32",
             )
-            print(f"baked {name} ({family}) into {args.models_dir}/{name}")
+            status = store_reference(store, name)  # the gate's reference outputs, made once
+            print(f"baked {name} ({family}) into {args.models_dir}/{name} (reference {status})")
     return 0
 
 
@@ -136,6 +138,9 @@ def _import(args: argparse.Namespace) -> int:
         source=str(args.source.resolve()),
         dtype=args.dtype,
     )
+    from app.runtime.references import store_reference
+
+    store_reference(Path(args.models_dir), manifest.name)  # the gate's reference outputs
     print(
         f"imported {args.source} as {manifest.name} ({manifest.family}, {manifest.dtype}, "
         f"sha256 {manifest.sha256[:12]})"

@@ -67,13 +67,15 @@ class Runtime:
 
     # --- lifecycle ------------------------------------------------------------------------
     def load_all(self) -> None:
-        """Load and gate every model, then warm up the configured shapes."""
+        """Load and gate every model (ready), then, while serving, measure the deferred models'
+        modes (app/runtime/registry.select_pending) and warm up the configured shapes."""
         self.registry.loading = True
         try:
             self.registry.load_all()
-            self.warm_up()
         finally:
             self.registry.loading = False
+        self.registry.select_pending()
+        self.warm_up()
 
     def start(self) -> None:
         self.scheduler.start()
