@@ -271,6 +271,7 @@ def _install_routes(
     async def readyz() -> JSONResponse:
         ready = runtime.ready and not drain.draining
         body = {"ready": ready, "models": sorted(runtime.models), "errors": runtime.errors}
+        body["states"] = runtime.registry.describe_states()  # loading/gating/ready/failed
         if drain.draining:
             body["reason"] = "draining: the service is shutting down"
         elif runtime.loading:
@@ -291,6 +292,7 @@ def _install_routes(
             "models": [m.describe() for m in runtime.models.values()],
             "errors": runtime.errors,
             "loading": runtime.loading,
+            "states": runtime.registry.describe_states(),
             "default": settings.default_model,
         }
 
