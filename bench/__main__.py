@@ -12,6 +12,7 @@ BENCHES = {
     "ltx": "bench.ltx",
     "ltx2": "bench.ltx2",
     "minimax-h3": "bench.minimax_h3",
+    "startup": "bench.startup",
     "taesd": "bench.taesd",
     "wan": "bench.wan",
 }

@@ -232,19 +232,22 @@ def test_the_tiled_check_decodes_more_than_one_tile(tmp_path, monkeypatch):
     assert "tiled" in {c.name for c in model.gate.checks} and model.tiled_gated
 
 
-def test_a_tiled_decode_the_gate_did_not_tile_runs_on_the_exact_path(tmp_path):
-    """HunyuanVideo's probe fits one tile (its probe_latent takes no ``tiled``): a tiled
-    decode is not served on the fast copy."""
-    bake(tmp_path, "hunyuan-video", "hv", hunyuan_video.SYNTHETIC["hunyuan-video-tiny"])
-    runtime = _runtime(tmp_path, "hv", dtype="bfloat16")
-    model = runtime.models["hv"]
-    if gate.Probes(model.reference).tiles:
-        pytest.skip("this family's probe_latent takes tiled: its tiled path is gated")
-    assert not model.fallback and not model.tiled_gated
+def test_a_tiled_decode_whose_check_failed_runs_on_the_exact_path(tmp_path, monkeypatch):
+    """A fast copy whose tiles are wrong: untiled decodes are served on it, tiled ones on the
+    exact path (never a path the gate did not pass)."""
+    monkeypatch.setitem(FAMILIES, "tiled-hunyuan", "tests.family_tiled")
+    config = {**hunyuan_video.SYNTHETIC["hunyuan-video-tiny"], "break_tiled": True}
+    bake(tmp_path, "tiled-hunyuan", "broken", config)
+    runtime = _runtime(tmp_path, "broken", dtype="bfloat16")
+    model = runtime.models["broken"]
+    tiled = next(c for c in model.gate.checks if c.name == "tiled")
+    assert tiled.cosine < 0.9999 and not model.fallback and not model.tiled_gated
     assert model.decoder_for(True) is model.reference and model.decoder_for(False) is model.fast
     z = torch.randn(1, 16, 1, 36, 36)
     out = runtime.runner.decode(model, z, Scaling(), {"tiled": True}, Want.RAW, PhaseTimer())
     assert torch.equal(out, model.reference.decode(z, tiled=True))
+    untiled = runtime.runner.decode(model, z, Scaling(), {}, Want.RAW, PhaseTimer())
+    assert torch.equal(untiled, model.fast.decode(z.float()).float())
 
 
 # --- state, metrics, compile -------------------------------------------------------------------

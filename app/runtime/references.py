@@ -38,11 +38,12 @@ SHARED_SOURCES = ("base.py", "ops.py", "tiling.py")
 
 
 def code_fingerprint(family: str) -> str:
-    """sha256 of the source files the family's exact path is made of."""
+    """sha256 of the source files the family's exact path is made of, and of the gate's (which
+    makes the reference's calls)."""
     root = Path(app.decoders.__file__).parent
     module = Path(family_module(family).__file__)
     own = sorted(module.parent.rglob("*.py")) if module.name == "__init__.py" else [module]
-    files = [root / name for name in SHARED_SOURCES] + own
+    files = [root / name for name in SHARED_SOURCES] + own + [Path(gate.__file__)]  # + the calls
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")

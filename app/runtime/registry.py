@@ -108,8 +108,9 @@ class ServedModel:
     compiled: dict[tuple[int, ...], Callable[[Tensor], Tensor]] = field(default_factory=dict)
     candidates: list[dict[str, Any]] = field(default_factory=list)  # each mode's measurement
     chosen_because: str = ""
-    # tiled decodes run on the fast copy only if its gate tiled a probe larger than a tile
+    # tiled decodes run on the fast copy only if its gate's tiled check passed
     tiled_gated: bool = True
+    tiled_probe_tiles: bool | None = None  # the tiled check's probe is larger than one tile
     reference_status: str = ""  # the stored gate reference: valid, missing, stale, tampered
     state: ModelState | None = None
 
@@ -170,6 +171,7 @@ class ServedModel:
             "candidates": self.candidates,
             "chosen_because": self.chosen_because,
             "tiled_gated": self.tiled_gated,
+            "tiled_probe_tiles": self.tiled_probe_tiles,
             "gate_reference": self.reference_status or None,
             **(self.state.describe() if self.state else {}),
         }
@@ -331,10 +333,13 @@ class Registry:
                 raise RuntimeError(f"{name}: {reason} and VAE_FALLBACK=off")
             log.warning("model %s served on the float32 CPU fallback: %s", name, reason)
         fast = candidate.decoder or entry.reference
-        tiled = {c.name: c.cosine for c in report.checks}.get("tiled")
-        tiled_gated = fast is entry.reference or (
-            entry.probes.tiles and tiled is not None and tiled >= self.settings.parity_min_cos
-        )
+        tiled_gated = fast is entry.reference or report.tiled_passed(self.settings.parity_min_cos)
+        if entry.probes.tiled is not None and not entry.probes.tiles:
+            log.warning(
+                "model %s: the family's probe fits one tile (probe_latent takes no `tiled`): "
+                "its tiled geometry is not checked by the gate",
+                name,
+            )
         log.info(
             "model %s: serving %s on %s (%s); gate reference %s",
             name,
@@ -356,6 +361,7 @@ class Registry:
             candidates=[c.describe(self.settings.parity_min_cos) for c in chosen.candidates],
             chosen_because=chosen.why,
             tiled_gated=bool(tiled_gated),
+            tiled_probe_tiles=entry.probes.tiles if entry.probes.tiled is not None else None,
             reference_status=entry.status,
             state=self.states[name],
         )
