@@ -90,7 +90,7 @@ def read(folder: Path, key: dict[str, Any]) -> tuple[dict[str, Tensor] | None, s
 def write(folder: Path, key: dict[str, Any], tensors: dict[str, Tensor]) -> None:
     """Atomically (tmp + os.replace) write the reference beside the weights."""
     folder = Path(folder)
-    tensors = {name: t.detach().float().contiguous().cpu() for name, t in tensors.items()}
+    tensors = {name: t.detach().float().cpu().contiguous().clone() for name, t in tensors.items()}
     meta = {"key": _canonical(key), "sha256": tensors_digest(tensors)}
     tmp = folder / f".{REFERENCE_FILE}.{os.getpid()}.tmp"
     try:

@@ -88,7 +88,6 @@ class _Entry:
     manifest: Manifest
     reference: VAEDecoder
     probes: gate.Probes
-    key: dict[str, Any]
     status: str  # the stored gate reference: valid, missing, stale, tampered
 
 
@@ -252,13 +251,12 @@ class Registry:
 
     def _exact(self, entry: _Entry) -> ServedModel:
         """The model on its exact float32 CPU path, ungated (it is the reference)."""
-        self.states[entry.name].selection = "pending"
+        state = self.states[entry.name]
+        state.selection = "pending"
         self.metrics.parity_cosine.labels(entry.name).set(1.0)
         self.metrics.fallback_active.labels(entry.name).set(0)
-        self.metrics.model_load_seconds.labels(entry.name, "total").set(
-            self.states[entry.name].elapsed()
-        )
-        return ServedModel(
+        self._export_phases(entry.name, state)
+        served = ServedModel(
             entry.name,
             entry.manifest,
             entry.reference,
@@ -269,8 +267,16 @@ class Registry:
             False,
             chosen_because="the exact path, served while the candidate modes are measured",
             reference_status=entry.status,
-            state=self.states[entry.name],
+            state=state,
         )
+        served.load_seconds = state.elapsed()
+        return served
+
+    def _export_phases(self, name: str, state: ModelState) -> None:
+        """``vae_model_load_seconds``: each phase so far, and the total until now."""
+        self.metrics.model_load_seconds.labels(name, "total").set(state.elapsed())
+        for phase, seconds in state.phases.items():
+            self.metrics.model_load_seconds.labels(name, phase).set(seconds)
 
     def _map(self, store: Path, name: str) -> _Entry:
         """hash (the weights' sha256), map (memory-map them), build (the float32 reference and
@@ -286,13 +292,12 @@ class Registry:
             reference = decoder.float() if _has_non_float32(decoder) else decoder
             timing.instrument(reference.stages())
             probes = gate.Probes(reference)
-            key = references.reference_key(manifest, probes)
-            stored, status = references.read(folder, key)
+            stored, status = references.read(folder, references.reference_key(manifest, probes))
             if stored is not None and set(stored) == set(probes.check_names()):
                 probes.set_expected(stored)
             elif status == "valid":
                 status = "stale"  # the gate's checks changed
-        return _Entry(name, folder, manifest, reference, probes, key, status)
+        return _Entry(name, folder, manifest, reference, probes, status)
 
     def _gate(self, entry: _Entry, upgrade: bool = False) -> ServedModel:
         name, state = entry.name, self.states[entry.name]
@@ -314,9 +319,7 @@ class Registry:
         served.load_seconds = state.elapsed()
         state.selection = "done"
         self.metrics.fallback_active.labels(name).set(int(served.fallback))
-        self.metrics.model_load_seconds.labels(name, "total").set(served.load_seconds)
-        for phase, seconds in state.phases.items():
-            self.metrics.model_load_seconds.labels(name, phase).set(seconds)
+        self._export_phases(name, state)
         return served
 
     def _served(self, entry: _Entry, chosen: selection.Selection) -> ServedModel:
