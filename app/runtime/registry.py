@@ -338,7 +338,7 @@ class Registry:
         fast = candidate.decoder or entry.reference
         tiled_gated = fast is entry.reference or report.tiled_passed(self.settings.parity_min_cos)
         if entry.probes.tiled is not None and not entry.probes.tiles:
-            log.warning(
+            log.info(
                 "model %s: the family's probe fits one tile (probe_latent takes no `tiled`): "
                 "its tiled geometry is not checked by the gate",
                 name,
