@@ -23,7 +23,10 @@ bake: $(STAMP)
 	$(PY) -m app bake --synthetic --models-dir $(MODELS_DIR)
 
 serve: $(STAMP)
-	@test -n "$$(ls $(MODELS_DIR)/*/decoder.safetensors 2>/dev/null)" || $(MAKE) bake
+	@# a fresh clone: bake without the gate references (the first start computes them after
+	@# /readyz is 200 and stores them); `make bake` computes them at once
+	@test -n "$$(ls $(MODELS_DIR)/*/decoder.safetensors 2>/dev/null)" || \
+		$(PY) -m app bake --synthetic --no-references --models-dir $(MODELS_DIR)
 	PORT=$(PORT) $(PY) -m app serve --models-dir $(MODELS_DIR)
 
 # The whole suite, then the whole suite again as if this CPU were the other bf16 class
