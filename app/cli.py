@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     bake.add_argument("--models-dir", default=DEFAULT_STORE)
     bake.add_argument("--only", nargs="*", help="names to bake (default: every embedded one)")
     bake.add_argument("--force", action="store_true", help="rewrite entries already in the store")
+    bake.add_argument("--no-references", action="store_true", help="leave the gate references "
+                      "to the first start (computed after ready on a CPU, then stored)")  # fmt: skip
     bake.set_defaults(run=_bake)
 
     imp = sub.add_parser("import", help="convert a checkpoint into the store")
@@ -100,6 +102,7 @@ def _bake(args: argparse.Namespace) -> int:
     import torch
 
     from app.decoders import FAMILIES, family_module
+    from app.runtime.references import store_reference
     from app.store import write_model
 
     store = Path(args.models_dir)
@@ -119,7 +122,8 @@ def _bake(args: argparse.Namespace) -> int:
                 source="synthetic:seed=0",
                 dtype="float32",
             )
-            print(f"baked {name} ({family}) into {args.models_dir}/{name}")
+            ref = "" if args.no_references else f", gate reference {store_reference(store, name)}"
+            print(f"baked {name} ({family}) into {args.models_dir}/{name}{ref}")
     return 0
 
 
@@ -158,6 +162,7 @@ def _import(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"import refused: {exc}", file=sys.stderr)
         return 2
+    store_reference(Path(args.models_dir), manifest.name)  # the gate's reference outputs
     print(
         f"imported {args.source} as {manifest.name} ({manifest.family}, {manifest.dtype}, "
         f"parts {'+'.join(manifest.parts)}, sha256 {manifest.sha256[:12]})"

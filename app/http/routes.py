@@ -28,6 +28,7 @@ def install_routes(
     async def readyz() -> JSONResponse:
         ready = runtime.ready and not drain.draining
         body = {"ready": ready, "models": sorted(runtime.models), "errors": runtime.errors}
+        body["states"] = runtime.registry.describe_states()  # loading/gating/ready/failed
         if not ready:
             body["reason"] = _not_ready(runtime, drain)
         return JSONResponse(body, status_code=200 if ready else 503)
@@ -38,6 +39,7 @@ def install_routes(
             "models": [m.describe() for m in runtime.models.values()],
             "errors": runtime.errors,
             "loading": runtime.loading,
+            "states": runtime.registry.describe_states(),
             "default": settings.default_model,
         }
 
