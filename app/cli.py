@@ -143,6 +143,7 @@ def _complete(store: Path, name: str) -> bool:
 
 def _import(args: argparse.Namespace) -> int:
     from app.decoders import family_module
+    from app.runtime.references import store_reference
     from app.store import StoreError, write_model
 
     config, state = family_module(args.family).convert(args.source)
