@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from app.decoders import tiling
+from app.decoders.hunyuan_video import Decoder as HunyuanVideoDecoder
 from app.decoders.hunyuan_video import init_synthetic  # noqa: F401  (the family's baker)
-from app.decoders.hunyuan_video.model import HunyuanVideoDecoder
 
 
 class Decoder(HunyuanVideoDecoder):

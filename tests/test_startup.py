@@ -17,7 +17,8 @@ from safetensors.torch import load_file, safe_open, save_file
 from app.config import Settings
 from app.decoders import FAMILIES, hunyuan_video, tiling
 from app.metrics import Metrics
-from app.runtime import Runtime, Scaling, Want, compiled, gate, references, selection
+from app.request import DecodeRequest, Output
+from app.runtime import Runtime, compiled, gate, references, selection
 from app.store import entry_dir, load_model
 from app.timing import PhaseTimer
 from tests.live import TINY_FLUX, bake, live_server, post
@@ -228,7 +229,8 @@ def test_the_tiled_check_decodes_more_than_one_tile(tmp_path, monkeypatch):
     bake(tmp_path, "tiled-hunyuan", "tiled", config)
     model = _runtime(tmp_path, "tiled", dtype="bfloat16").models["tiled"]
     probes = gate.Probes(model.reference)
-    assert probes.tiles and tiling.sample_grid(probes.tiled, {}, model.reference.spatial_scale)
+    assert probes.tiled is not None
+    assert tiling.sample_grid(probes.tiled, {}, model.reference.spatial_scale)
     assert len(tiling.sample_grid(probes.tiled, {}, 8).tiles) == 4
     assert "tiled" in {c.name for c in model.gate.checks} and model.tiled_gated
 
@@ -245,9 +247,10 @@ def test_a_tiled_decode_whose_check_failed_runs_on_the_exact_path(tmp_path, monk
     assert tiled.cosine < 0.9999 and not model.fallback and not model.tiled_gated
     assert model.decoder_for(True) is model.reference and model.decoder_for(False) is model.fast
     z = torch.randn(1, 16, 1, 36, 36)
-    out = runtime.runner.decode(model, z, Scaling(), {"tiled": True}, Want.RAW, PhaseTimer())
+    tiled = DecodeRequest(z, Output.TENSOR, options={"tiled": True})
+    out = runtime.runner.decode(model, tiled, PhaseTimer())
     assert torch.equal(out, model.reference.decode(z, tiled=True))
-    untiled = runtime.runner.decode(model, z, Scaling(), {}, Want.RAW, PhaseTimer())
+    untiled = runtime.runner.decode(model, DecodeRequest(z, Output.TENSOR), PhaseTimer())
     assert torch.equal(untiled, model.fast.decode(z.float()).float())
 
 

