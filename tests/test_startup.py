@@ -172,13 +172,16 @@ ALL = ["float32", "float32 exact", "bfloat16", "bfloat16 exact"]
 
 
 @pytest.mark.parametrize("fast", ["bfloat16 exact", "float32"])
-def test_the_fastest_measured_mode_that_passes_is_served(sleepy, fast):
-    store = sleepy([m for m in ALL if m != fast])
+def test_the_fastest_measured_mode_that_passes_is_served(sleepy, monkeypatch, fast):
+    # on a loaded machine one decode of the tiny model can take seconds: a sleep well above
+    # that, and every mode its repeats (no early stop on one unlucky first decode)
+    monkeypatch.setattr(selection, "CLEARLY_SLOWER", float("inf"))
+    store = sleepy([m for m in ALL if m != fast], sleep_s=1.5)
     mode, described = _served_mode(store)
     assert mode == fast, described["candidates"]
     times = {c["mode"]: c["probe_seconds"] for c in described["candidates"]}
     assert set(times) == set(ALL) and min(times, key=times.get) == fast
-    assert all(times[m] >= 0.4 for m in ALL if m != fast)
+    assert all(times[m] >= 1.5 for m in ALL if m != fast)
     assert described["chosen_because"] and described["selection"] == "done"
     chosen = next(c for c in described["candidates"] if c["mode"] == fast)
     assert chosen["gated"] and chosen["passed"] and chosen["parity_cosine"] >= 0.9999
