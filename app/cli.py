@@ -1,4 +1,4 @@
-"""Command line: serve, bake, import, decode, encode (see ``python -m app --help``)."""
+"""Command line: serve, bake, import, decode (see ``python -m app --help``)."""
 
 from __future__ import annotations
 
@@ -66,41 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--seed", type=int, help="noise seed (LTX noise injection)")
     dec.set_defaults(run=_decode)
 
-    _add_encode(sub)
     args = parser.parse_args(argv)
     from app.logging_json import configure_logging
 
     configure_logging()
     sys.exit(args.run(args) or 0)
-
-
-def _add_encode(sub: argparse._SubParsersAction) -> None:
-    enc = sub.add_parser("encode", help="encode an image or MP4 to a latent (local store or --url)")
-    enc.add_argument("input", type=Path, help=".png/.jpg/.webp image or .mp4 video")
-    enc.add_argument("--model", required=True, help="a store entry that holds an encoder")
-    enc.add_argument(
-        "-o",
-        "--output",
-        type=Path,
-        default=Path("latent.safetensors"),
-        help=".safetensors|.npy|.bin",
-    )
-    enc.add_argument("--url", help="a running service, e.g. http://127.0.0.1:8080")
-    enc.add_argument("--models-dir", default=DEFAULT_STORE)
-    enc.add_argument("--timings", action="store_true", help="print the per-phase table")
-    enc.add_argument("-q", "--quiet", action="store_true", help="no progress or summary line")
-    enc.add_argument("--timeout", type=float, default=600.0, help="--url: seconds for the call")
-    enc.add_argument(
-        "--do-scaling", action="store_true", help="apply the model's own latent normalisation"
-    )
-    enc.add_argument("--scaling-factor", type=float, help="write (z - shift_factor) * this")
-    enc.add_argument("--shift-factor", type=float)
-    enc.add_argument(
-        "--sample", action="store_true", help="a sample of the distribution, not its mean"
-    )
-    enc.add_argument("--seed", type=int, help="the sample's noise seed (with --sample)")
-    enc.add_argument("--packed", action="store_true", help="FLUX's packed [B, N, 4C] layout")
-    enc.set_defaults(run=_encode)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -143,7 +113,6 @@ def _bake(args: argparse.Namespace) -> int:
                 continue
             decoder = module.Decoder(config)
             module.init_synthetic(decoder, torch.Generator().manual_seed(0))
-            encoder_config, encoder_state = _synthetic_encoder(family, name)
             write_model(
                 store,
                 name,
@@ -152,32 +121,10 @@ def _bake(args: argparse.Namespace) -> int:
                 decoder.state_dict(),
                 source="synthetic:seed=0",
                 dtype="float32",
-                encoder_state=encoder_state,
-                encoder_config=encoder_config,
             )
-            parts = "decoder+encoder" if encoder_state is not None else "decoder"
             ref = "" if args.no_references else f", gate reference {store_reference(store, name)}"
-            print(f"baked {name} ({family}, {parts}) into {args.models_dir}/{name}{ref}")
+            print(f"baked {name} ({family}) into {args.models_dir}/{name}{ref}")
     return 0
-
-
-def _synthetic_encoder(family: str, name: str) -> tuple[dict | None, dict | None]:
-    """The seeded encoder of a synthetic entry, when its family's encoder package has one of
-    that name (``SYNTHETIC``); else (None, None): the entry is decoder-only."""
-    import torch
-
-    from app.encoders import encoder_module
-
-    try:
-        module = encoder_module(family)
-    except KeyError:
-        return None, None
-    config = getattr(module, "SYNTHETIC", {}).get(name)
-    if config is None:
-        return None, None
-    encoder = module.Encoder(config)
-    module.init_synthetic(encoder, torch.Generator().manual_seed(1))
-    return dict(config), encoder.state_dict()
 
 
 def _complete(store: Path, name: str) -> bool:
@@ -233,23 +180,11 @@ def _convert_encoder(family: str, source: Path) -> tuple[dict | None, dict | Non
         convert = getattr(encoder_module(family), "convert", None)
     except KeyError:
         return None, None
-    if not callable(convert):
-        return None, None
-    try:
-        found = convert(source)
-    except (ValueError, FileNotFoundError) as exc:  # no encoder in the checkpoint
-        print(f"no encoder imported: {exc}", file=sys.stderr)
-        return None, None
+    found = convert(source) if callable(convert) else None
     return found if found is not None else (None, None)
 
 
 def _decode(args: argparse.Namespace) -> int:
     from app.cli_decode import run
-
-    return run(args)
-
-
-def _encode(args: argparse.Namespace) -> int:
-    from app.cli_encode import run
 
     return run(args)
