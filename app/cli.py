@@ -180,7 +180,13 @@ def _convert_encoder(family: str, source: Path) -> tuple[dict | None, dict | Non
         convert = getattr(encoder_module(family), "convert", None)
     except KeyError:
         return None, None
-    found = convert(source) if callable(convert) else None
+    if not callable(convert):
+        return None, None
+    try:
+        found = convert(source)
+    except (ValueError, FileNotFoundError) as exc:  # no encoder in the checkpoint
+        print(f"no encoder imported: {exc}", file=sys.stderr)
+        return None, None
     return found if found is not None else (None, None)
 
 

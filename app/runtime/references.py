@@ -121,7 +121,9 @@ def recompute(folder: Path, manifest: Manifest, probes: gate.Probes, status: str
     try:
         write(folder, reference_key(manifest, probes), expected)
         log.info("model %s: gate reference written to %s", manifest.name, folder)
-    except OSError as exc:  # a read-only store: the reference lives for this process only
+    # a read-only store, or a version a later import replaced meanwhile (safetensors reports
+    # the vanished folder as its own error): the reference lives for this process only
+    except (OSError, SafetensorError) as exc:
         log.warning("model %s: gate reference not written (%s)", manifest.name, exc)
     return status
 
