@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     bake.add_argument("--models-dir", default=DEFAULT_STORE)
     bake.add_argument("--only", nargs="*", help="names to bake (default: every embedded one)")
     bake.add_argument("--force", action="store_true", help="rewrite entries already in the store")
+    bake.add_argument("--no-references", action="store_true", help="leave the gate references "
+                      "to the first start (computed after ready on a CPU, then stored)")  # fmt: skip
     bake.set_defaults(run=_bake)
 
     imp = sub.add_parser("import", help="convert a checkpoint into the store")
@@ -130,6 +132,7 @@ def _bake(args: argparse.Namespace) -> int:
     import torch
 
     from app.decoders import FAMILIES, family_module
+    from app.runtime.references import store_reference
     from app.store import write_model
 
     store = Path(args.models_dir)
@@ -153,7 +156,8 @@ def _bake(args: argparse.Namespace) -> int:
                 encoder_config=encoder_config,
             )
             parts = "decoder+encoder" if encoder_state is not None else "decoder"
-            print(f"baked {name} ({family}, {parts}) into {args.models_dir}/{name}")
+            ref = "" if args.no_references else f", gate reference {store_reference(store, name)}"
+            print(f"baked {name} ({family}, {parts}) into {args.models_dir}/{name}{ref}")
     return 0
 
 
@@ -192,6 +196,7 @@ def _complete(store: Path, name: str) -> bool:
 
 def _import(args: argparse.Namespace) -> int:
     from app.decoders import family_module
+    from app.runtime.references import store_reference
     from app.store import StoreError, write_model
 
     config, state = family_module(args.family).convert(args.source)
@@ -211,6 +216,7 @@ def _import(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"import refused: {exc}", file=sys.stderr)
         return 2
+    store_reference(Path(args.models_dir), manifest.name)  # the gate's reference outputs
     print(
         f"imported {args.source} as {manifest.name} ({manifest.family}, {manifest.dtype}, "
         f"parts {'+'.join(manifest.parts)}, sha256 {manifest.sha256[:12]})"

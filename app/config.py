@@ -26,6 +26,21 @@ class Settings(BaseSettings):
     serve_encoders: bool = Field(
         True, description="load and gate the entries' encoders (POST /encode); false: decode only"
     )
+    # startup
+    select: Literal["auto", "before_ready", "after_ready"] = Field(
+        "auto",
+        description="measure the candidate modes before /readyz turns 200, or serve the exact "
+        "path first and swap the winner in (auto: after on the CPU with VAE_DTYPE=auto)",
+    )
+    gate_repeats: int = Field(
+        2, ge=1, description="timed decodes of the gate's probe per candidate mode (best kept)"
+    )
+    load_prefetch: bool = Field(
+        True, description="hash and memory-map the next models on a thread while one gates"
+    )
+    compile_cache_dir: Path | None = Field(
+        None, description="torch.compile's caches (Inductor, FX graphs, cache artifacts)"
+    )
     # admission and limits
     queue_depth: int = Field(32, ge=1)
     max_batch: int = Field(8, ge=1, description="latent rows per request, else 413")
@@ -66,8 +81,10 @@ class Settings(BaseSettings):
     max_decode_mpixels: int = Field(
         4, ge=1, description="GPU: a micro-batch is split into decodes of this many Mpixels"
     )
-    compile: Literal["auto", "off"] = Field(
-        "auto", description="auto: torch.compile the warm-up shapes of image models on a GPU"
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="auto: torch.compile the warm-up shapes of image models on a GPU (after "
+        "ready, each gated before it serves); on: on the CPU too",
     )
     # security
     api_tokens: SecretStr = Field(SecretStr(""), description="comma-separated bearer tokens")

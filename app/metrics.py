@@ -149,8 +149,8 @@ class Metrics:
         )
         self.model_load_seconds = Gauge(
             "vae_model_load_seconds",
-            "Seconds to load the model and pass its gate",
-            ["model"],
+            "Seconds of a model's start, by phase (hash, map, build, gate, compile; total)",
+            ["model", "phase"],
             registry=r,
         )
         self.retries_total = Counter(

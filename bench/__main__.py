@@ -15,6 +15,7 @@ BENCHES = {
     "minimax-h3": "bench.minimax_h3",
     "png": "bench.png",
     "series": "bench.series",
+    "startup": "bench.startup",
     "taesd": "bench.taesd",
     "wan": "bench.wan",
 }

@@ -14,7 +14,7 @@ import requests
 
 from tests import faulty
 from tests.live import live_server
-from tests.test_streams import RawStream, ffmpeg_children, video_latent
+from tests.mp4_client import RawStream, ffmpeg_children, video_latent
 
 
 def rss_mib(pids: list[int]) -> float:

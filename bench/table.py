@@ -7,8 +7,9 @@ One row per family. diffusers is measured as a user would set it up (float32, fl
 channels_last where its convs take it, bf16) and its fastest setting is the row's peer; bf16
 is skipped when this machine's bf16 GEMM runs below 1/4 of float32's (emulated, as on AVX2
 CPUs), and the row says so. The service side is what ``VAE_DTYPE=auto`` serves on this
-device (``modes.candidate_modes``' first mode, ``modes.build``), decoded with the service's
-default options. The cosine is the served output's against diffusers float32's.
+device (every candidate mode timed on the gate's probe, the fastest that passes the gate:
+``app/runtime/selection.py``), decoded with the service's default options; the row says why
+that mode won and each candidate's probe time. The cosine is the served output's against diffusers float32's.
 
 Each family runs in its own subprocess (its models are freed before the next family loads);
 inside it the variants share the family's seeded weights (built once by the family's bench
@@ -33,12 +34,15 @@ from dataclasses import dataclass
 
 import torch
 
+from app.config import Settings
+from app.decoders.base import VAEDecoder
 from app.decoders.ops import cosine
-from app.runtime import modes
+from app.runtime import gate, modes, selection
 from bench import common
 
 Decode = Callable[[], torch.Tensor]
 CPU = torch.device("cpu")
+MIN_COS = Settings.model_fields["parity_min_cos"].default
 SCALES = ("tiny", "quick", "full")
 
 
@@ -51,15 +55,29 @@ class Setup:
     served: Callable[[], tuple[str, Decode, int]]  # make() -> (mode, decode(), own bytes)
 
 
-def served_mode() -> modes.Mode:
-    """What ``VAE_DTYPE=auto`` tries first on this machine's CPU (the gate keeps it or falls
-    back to the next; on AVX2 it is float32 with the family's fast-path modules)."""
-    return modes.candidate_modes("auto", CPU)[0]
+# how the served mode was chosen (this process measures one family): why, candidate times
+SELECTION: dict = {}
+
+
+def served_mode(reference: VAEDecoder) -> modes.Mode:
+    """What ``VAE_DTYPE=auto`` serves on this machine's CPU: the service's own measurement
+    (app/runtime/selection.py: every candidate mode timed on the gate's probe, the fastest
+    that passes the gate), recorded in ``SELECTION`` for the row."""
+    probes = gate.Probes(reference)
+    chosen = selection.choose(
+        reference.family, reference, probes, CPU, modes.candidate_modes("auto", CPU), MIN_COS
+    )
+    SELECTION.update(
+        why=chosen.why,
+        gate_cos=chosen.chosen.report.cosine if chosen.chosen.report else None,
+        candidates={str(c.mode): c.probe_seconds for c in chosen.candidates},
+    )
+    return chosen.chosen.mode
 
 
 def _served(reference: torch.nn.Module, decode: Callable) -> Callable[[], tuple[str, Decode, int]]:
     def make() -> tuple[str, Decode, int]:
-        mode = served_mode()
+        mode = served_mode(reference)
         model = modes.build(reference, CPU, mode)
         return str(mode), lambda: decode(model), common.own_bytes(model, reference)
 
@@ -200,7 +218,7 @@ def minimax_h3(scale: str) -> Setup:
         return make
 
     def served() -> tuple[str, Decode, int]:
-        mode = served_mode()
+        mode = served_mode(decoder)
         model = modes.build(decoder, CPU, mode)
         decode = update(b.stack(model.decoder.transformer_blocks, x, ours_rope))
         return str(mode), decode, common.own_bytes(model, decoder)
@@ -286,6 +304,9 @@ def measure(family: str, scale: str, repeats: int, skip_bf16: bool) -> dict:
         "own_mib": own / 2**20,
         "ratio": timed[best] / seconds,
         "cos": cos,
+        "served_why": SELECTION.get("why"),
+        "gate_cos": SELECTION.get("gate_cos"),
+        "candidates": SELECTION.get("candidates"),
     }
 
 
@@ -333,7 +354,16 @@ def format_table(rows: list[dict]) -> str:
             f"| {r['cos']:.7f} "
             f"| {settings} |"
         )
+    lines += [_why_line(r) for r in rows if r.get("candidates")]
     return "\n".join(lines)
+
+
+def _why_line(row: dict) -> str:
+    """Why the served mode won: each candidate's best probe time (the gate's probe)."""
+    times = ", ".join(
+        f"{mode} {'-' if t is None else f'{t:.3f} s'}" for mode, t in row["candidates"].items()
+    )
+    return f"\n{row['family']}: served {row['served']} ({row['served_why']}); probe: {times}"
 
 
 def run(args: argparse.Namespace) -> None:

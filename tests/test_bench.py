@@ -35,12 +35,17 @@ def test_table_rows_on_the_tiniest_shapes():
     assert row["peers"]["bf16"] == table.EMULATED
     assert row["best"] in ("fp32", "fp32+CL3d") and row["best_s"] > 0 and row["service_s"] > 0
     assert row["ratio"] == pytest.approx(row["best_s"] / row["service_s"])
-    assert row["cos"] >= 0.99999  # the served path is exact (float32 here)
+    # the mode the service measured and chose here, at the parity its gate measured
+    assert row["served"] in row["candidates"] and row["served_why"]
+    assert row["gate_cos"] >= 0.9999
+    exact = row["served"].startswith("float32")  # float32 (Winograd or not) is within rounding
+    assert row["cos"] >= (0.99999 if exact else 0.9999)
     assert row["own_mib"] >= 0
     printed = table.format_table([row, {"family": "wan", "error": "boom"}])
     assert (
         "| ltx2 |" in printed and "skipped: bf16 emulated" in printed and "failed: boom" in printed
     )
+    assert f"ltx2: served {row['served']} (" in printed
     assert set(table.cpu_flags()) == {"AVX2", "AVX-512-BF16", "AMX"}
     assert "AVX2" in table.machine_line()
 

@@ -458,9 +458,8 @@ def test_cloud_run_service_for_one_l4():
     startup, liveness = vae["startupProbe"], vae["livenessProbe"]
     assert startup["httpGet"]["path"] == "/readyz" and liveness["httpGet"]["path"] == "/healthz"
     window = startup["periodSeconds"] * startup["failureThreshold"]
-    # the baked defaults took 108 s to /readyz on a 2-core CPU (deploy/README.md): the probe
-    # allows Cloud Run's maximum, 240 s, so a slow start is not killed
-    assert 200 <= window <= 240, window
+    # from a measured start (docs/BENCHMARKS.md "Cold start"), within Cloud Run's 240 s maximum
+    assert 30 <= window <= 240, window
     # SIGTERM -> SIGKILL is 10 s on Cloud Run: the drain must end before it
     assert float(env["VAE_DRAIN_GRACE_S"]) <= 9
     assert env["VAE_FORWARDED_ALLOW_IPS"] not in ("*", ""), "trust only the front end's peer"

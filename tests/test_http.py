@@ -405,7 +405,7 @@ def test_models_readyz_and_metrics(flux_server):
         'vae_request_seconds_count{code_class="2xx",kind="tensor",model="flux-tiny"}',
         'vae_parity_cosine{model="flux-tiny"} 1.0',
         'vae_fallback_active{model="flux-tiny"} 0.0',
-        'vae_model_load_seconds{model="flux-tiny"}',
+        'vae_model_load_seconds{model="flux-tiny",phase="total"}',
         "vae_queue_depth",
         "vae_inflight",
         'vae_device_memory_bytes{device="cpu",kind="allocated"}',

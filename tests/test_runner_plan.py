@@ -30,7 +30,10 @@ def first_plan(family: str, config: dict, size: tuple[int, int, int]):
     weights = sum(p.numel() * p.element_size() for p in decoder.parameters())
     runner = Runner(Metrics(), budget=L4_BYTES - weights)  # the model resident on the card
     shape = latent_shape(decoder, *size)
-    model = SimpleNamespace(active=decoder, compiled={})
+    # a served model whose gate passed every check: every decode runs on its fast copy
+    model = SimpleNamespace(
+        active=decoder, fast=decoder, compiled={}, decoder_for=lambda _: decoder
+    )
     attempt = runner._first_attempt(model, torch.empty(shape, device="meta"))
     return attempt, decoder, shape, int((L4_BYTES - weights) * PLANNING_SHARE)
 

@@ -28,7 +28,7 @@ from app.runtime.scheduler import Scheduler
 from app.timing import PhaseTimer
 from tests import faulty
 from tests.live import live_server
-from tests.test_streams import ffmpeg_children
+from tests.mp4_client import ffmpeg_children
 
 
 @pytest.fixture(scope="module", autouse=True)

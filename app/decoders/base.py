@@ -7,8 +7,9 @@ A family package (``app/decoders/<family>/``, see docs/decoders.md) exports:
 * ``convert(source: Path) -> tuple[dict, dict[str, Tensor]]``: read a checkpoint
   (diffusers folder or an original single file) and return ``(config,
   decoder-only state dict in canonical names)``. Used by ``python -m app import``.
-* optionally ``SYNTHETIC: dict[str, dict]`` (store name -> config) and
-  ``init_synthetic(decoder, generator)`` for ``python -m app bake --synthetic``.
+* ``SYNTHETIC: dict[str, dict]`` (store name -> config; may be empty) and
+  ``init_synthetic(decoder, generator)``, from ``synthetic.py``: the embedded models of
+  ``python -m app bake --synthetic`` (required: tests/test_layout.py checks every family).
 
 The service never needs to know which family it is serving.
 """

@@ -29,6 +29,7 @@ def install_routes(
     async def readyz() -> JSONResponse:
         ready = runtime.ready and not drain.draining
         body = {"ready": ready, "models": sorted(runtime.models), "errors": runtime.errors}
+        body["states"] = runtime.registry.describe_states()  # loading/gating/ready/failed
         if not ready:
             body["reason"] = _not_ready(runtime, drain)
         return JSONResponse(body, status_code=200 if ready else 503)
@@ -39,6 +40,7 @@ def install_routes(
             "models": [_described(m.name, m.describe(), runtime) for m in runtime.models.values()],
             "errors": runtime.errors,
             "loading": runtime.loading,
+            "states": runtime.registry.describe_states(),
             "default": settings.default_model,
         }
 

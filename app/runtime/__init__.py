@@ -79,7 +79,8 @@ class Runtime:
 
     # --- lifecycle ------------------------------------------------------------------------
     def load_all(self) -> None:
-        """Load and gate every model, then warm up the configured shapes."""
+        """Load and gate every model (ready), then, while serving, measure the deferred models'
+        modes (app/runtime/registry.select_pending) and warm up the configured shapes."""
         self.registry.loading = True
         try:
             self.registry.load_all()
@@ -87,6 +88,10 @@ class Runtime:
             self.warm_up()
         finally:
             self.registry.loading = False
+        if self.registry.pending:
+            self.registry.select_pending()
+            self.warm_up()  # the winners' own first decodes
+        self.compile_warm_up_shapes()
 
     def start(self) -> None:
         self.scheduler.start()
@@ -114,23 +119,42 @@ class Runtime:
         return self.scheduler.submit_call(job)
 
     def warm_up(self) -> None:
-        """Decode each ``VAE_WARMUP_SHAPES`` shape once on every model it fits (compiling it
-        first where ``VAE_COMPILE`` allows), on the decode worker: cuDNN's algorithm search,
-        the allocator's growth and the per-thread handles are then paid before the first
-        request, not by it."""
+        """Decode each ``VAE_WARMUP_SHAPES`` shape once on every model it fits, on the decode
+        worker: cuDNN's algorithm search, the allocator's growth and the per-thread handles are
+        then paid before the first request, not by it."""
         shapes = parse_shapes(self.settings.warmup_shapes)
-        for model in self.registry.models.values():
-            fitting = [s for s in shapes if _fits(model, s)]
-            if fitting and self.settings.compile == "auto" and compiled.eligible(model):
-                min_cos = self.settings.parity_min_cos
-                self.scheduler.call(partial(compiled.compile_shapes, model, fitting, min_cos))
-            for shape in fitting:
+        for model in list(self.registry.models.values()):
+            for shape in (s for s in shapes if _fits(model, s)):
                 timer = PhaseTimer()
                 request = DecodeRequest(torch.zeros(shape))
                 decode = partial(self.runner.decode, model, request, timer)
                 self.scheduler.call(decode)
                 seconds = sum(timer.phases().values())
                 log.info("warmed up %s at %s in %.3f s", model.name, shape, seconds)
+
+    def compile_warm_up_shapes(self) -> None:
+        """Compile the warm-up shapes where ``VAE_COMPILE`` allows, after ready, on this thread
+        while the worker serves eagerly; each graph is gated before it is swapped in."""
+        shapes = parse_shapes(self.settings.warmup_shapes)
+        todo = [
+            (model, fitting)
+            for model in list(self.registry.models.values())
+            if (fitting := [s for s in shapes if _fits(model, s)])
+            and compiled.eligible(model, self.settings.compile)
+        ]
+        if not todo:
+            return
+        compiled.configure_cache(self.settings.compile_cache_dir)
+        for model, fitting in todo:
+            try:
+                compiled.compile_shapes(model, fitting, self.settings.parity_min_cos)
+            except Exception as exc:  # a compile that fails leaves the eager path serving
+                log.error("model %s: compile failed, serving eagerly: %s", model.name, exc)
+            if model.state is not None:
+                self.metrics.model_load_seconds.labels(model.name, "compile").set(
+                    model.state.phases.get("compile", 0.0)
+                )
+        compiled.save_cache(self.settings.compile_cache_dir)
 
     def _device_lost(self, reason: str) -> None:
         self.on_device_lost(reason)

@@ -37,13 +37,21 @@ EXACT = Mode(torch.float32, optimized=False)
 
 
 def candidate_modes(setting: str, device: torch.device) -> list[Mode]:
-    """Modes to try, fastest first. ``float32`` on the CPU is always the exact path."""
+    """The modes measured for ``VAE_DTYPE=setting`` (app/runtime/selection.py serves the fastest
+    that passes the gate). ``float32`` on the CPU is the exact path alone. ``auto``: on the CPU
+    float32 exact, float32 fast (the family's ``optimize``: Winograd), bf16 and bf16 fast; on a
+    GPU bf16 and float32 fast. The order only breaks near-ties: bf16 first where the CPU has
+    native bf16 dot products (or a GPU), else float32 first."""
     if setting == "float32" and device.type == "cpu":
         return [EXACT]
     if setting != "auto":
         return [Mode(DTYPES[setting])]
-    fast_bf16 = device.type == "cuda" or cpu_has_fast_bf16()
-    return ([Mode(torch.bfloat16)] if fast_bf16 else []) + [Mode(torch.float32)]
+    bf16 = [Mode(torch.bfloat16)]
+    float32 = [Mode(torch.float32)]
+    if device.type == "cpu":
+        bf16.append(Mode(torch.bfloat16, optimized=False))
+        float32.append(EXACT)
+    return bf16 + float32 if device.type == "cuda" or cpu_has_fast_bf16() else float32 + bf16
 
 
 def build(reference: VAEDecoder, device: torch.device, mode: Mode) -> VAEDecoder:

@@ -79,7 +79,7 @@ class Runner:
         """``decode``, one host tensor per latent row: the decoder's ``[1,3,...]`` for
         ``Output.TENSOR``, else that row's frames ``[t,...]`` (a micro-batch is handed back to
         its requests by rows, whatever a row decodes to)."""
-        first = self._first_attempt(model, request.latent)
+        first = self._first_attempt(model, request.latent, request.options.get("tiled"))
         return self._decode_ladder(model, request.latent, first, request, timer)
 
     def rows_that_fit(self, model: ServedModel, latent_shape: tuple[int, ...]) -> int:
@@ -124,17 +124,23 @@ class Runner:
         self._note_retry(model, failed, nxt.label)
         return self._decode_ladder(model, latent, nxt, request, timer)
 
-    def _first_attempt(self, model: ServedModel, latent: Tensor) -> Attempt:
-        """The served decoder, untiled on a GPU when the estimate fits the free memory."""
+    def _first_attempt(
+        self, model: ServedModel, latent: Tensor, asked: bool | None = None
+    ) -> Attempt:
+        """The served decoder, untiled on a GPU when the estimate fits the free memory.
+        ``asked``: the caller's own ``tiled`` option (then it decides)."""
         decoder, graph = model.active, model.compiled.get(tuple(latent.shape))
+        if asked is not None:
+            return Attempt(model.decoder_for(asked), None, "served")
         budget = self._budget(decoder)
-        if budget is None:
-            return Attempt(decoder, None, "served", graph)  # CPU: the family's own default
+        if budget is None:  # CPU: the family's own default, where the gate checked its tiles
+            untiled = decoder.supports_tiling and decoder is not model.decoder_for(True)
+            return Attempt(decoder, False if untiled else None, "served", graph)
         one = decoder.working_bytes(tuple(latent[:1].shape), _element_size(decoder))
         if one <= budget:
             return Attempt(decoder, False, "served", graph)
         if decoder.supports_tiling:
-            return Attempt(decoder, True, "tiled")
+            return Attempt(model.decoder_for(True), True, "tiled")
         raise OutOfMemory(
             f"decoding this latent needs about {one / 2**30:.1f} GiB of device memory; "
             f"{budget / 2**30:.1f} GiB is free"
@@ -150,7 +156,8 @@ class Runner:
 
     def _next_attempt(self, model: ServedModel, attempt: Attempt) -> Attempt:
         if attempt.decoder.supports_tiling and attempt.tiled is not True:
-            return Attempt(attempt.decoder, True, "tiled")
+            decoder = model.decoder_for(True) if attempt.decoder is model.fast else attempt.decoder
+            return Attempt(decoder, True, "tiled")
         if self.oom_fallback == "cpu" and attempt.decoder is not model.reference:
             return Attempt(model.reference, None, "cpu")
         raise OutOfMemory("out of device memory decoding this latent, even tiled")
@@ -181,7 +188,7 @@ class Runner:
         skipping the frames already sent (decoding is deterministic)."""
         axis = 0 if request.output.frames else 2  # where a chunk's frames are
         latent = request.latent[:1]
-        attempt, sent = self._first_attempt(model, latent), 0
+        attempt, sent = self._first_attempt(model, latent, request.options.get("tiled")), 0
         while True:
             skip = sent
             try:

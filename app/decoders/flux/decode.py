@@ -44,9 +44,10 @@ class Decoder(Architecture, VAEDecoder):
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)
-        # Row bands by default (tiled=None) only once ``optimize`` sets band_bytes, and only
-        # for outputs of at least band_min_pixels.
-        self.band_bytes = 0
+        # Row bands by default (tiled=None) only once ``optimize`` turns them on, and only for
+        # outputs of at least band_min_pixels; band_bytes sizes a band whenever bands run.
+        self.bands_by_default = False
+        self.band_bytes = fast.ROW_BAND_BYTES
         self.band_min_pixels = BAND_MIN_PIXELS
 
     # --- geometry -------------------------------------------------------
@@ -81,9 +82,9 @@ class Decoder(Architecture, VAEDecoder):
         z = ops.to_model(z, self.conv_in.weight)
         if tiled is None:
             pixels = z.shape[0] * z.shape[-2] * z.shape[-1] * self.spatial_scale**2
-            tiled = bool(self.band_bytes) and pixels >= self.band_min_pixels
+            tiled = self.bands_by_default and pixels >= self.band_min_pixels
         if tiled:
-            return fast.decode_banded(self, z, self.band_bytes or fast.ROW_BAND_BYTES)
+            return fast.decode_banded(self, z, self.band_bytes)
         return self(z)
 
     def probe_latent(self, generator: torch.Generator, tiled: bool = False) -> Tensor:
@@ -108,3 +109,4 @@ class Decoder(Architecture, VAEDecoder):
     def optimize(self) -> None:
         fast.optimize(self)
         self.band_bytes = band_bytes_for(self.conv_in.weight.device)
+        self.bands_by_default = True

@@ -30,9 +30,9 @@ from app.encoders.base import VAEEncoder
 from app.encoders.ltx.model import (
     DOWNSAMPLE_STRIDES,
     BlockSpec,
+    EncodeChunkState,
     EncoderNet,
     EncoderSpec,
-    Stream,
 )
 
 VERSION_LTX2 = "ltx2"
@@ -215,7 +215,7 @@ class Encoder(VAEEncoder):
             raise ValueError(
                 f"{x.shape[2]} frames: a stream needs 1 + k * {self.temporal_scale} frames"
             )
-        s = Stream()
+        s = EncodeChunkState()
         starts = [0, *range(1 + chunk, x.shape[2], chunk)]
         ends = [*starts[1:], x.shape[2]]
         outs = [self.encoder(x[:, :, a:b], s) for a, b in zip(starts, ends, strict=True)]

@@ -15,10 +15,10 @@ Down block kinds (``down_block_types`` / ``downsample_type``):
       over channel groups; the width changes there.
 Every 3x3x3 conv pads time with edge frames (2 on the left when causal, 1 each side when not)
 and space with zeros (LTX-2: ``encoder_spatial_padding_mode``). Every other layer is
-frame-local, so a causal encoder also runs as a stream of frame chunks (``Stream``: each conv
-carries the frames its next window needs, the first chunk's first frame repeated before it);
-exact for a first chunk of ``1 + k * temporal_scale`` frames and then whole multiples. LTX-2 differs further in its
-``conv_in`` (to ``latent_channels`` wide), its plain 1x1 shortcuts and its resnet norms
+frame-local, so a causal encoder also runs as a stream of frame chunks (``EncodeChunkState``:
+each conv carries the frames its next window needs, the first chunk's first frame repeated
+before it); exact for a first chunk of ``1 + k * temporal_scale`` frames and then whole
+multiples. LTX-2 differs further in its ``conv_in`` (to ``latent_channels`` wide), its plain 1x1 shortcuts and its resnet norms
 (RMSNorm over channels either way: the decoder family's ``RMSNorm``).
 """
 
@@ -66,7 +66,7 @@ class EncoderSpec:
 
 
 @dataclass
-class Stream:
+class EncodeChunkState:
     """The temporal state of a causal encode run over frame chunks: each conv's unconsumed
     frames, and which layers have seen the stream's first chunk."""
 
@@ -81,7 +81,7 @@ class Stream:
 
 
 # --- layers -------------------------------------------------------------------------------
-class CausalConv3d(nn.Module):
+class EdgeFramePadConv3d(nn.Module):
     """Conv3d with time padded by repeating edge frames (``.conv`` holds diffusers' weights)."""
 
     def __init__(
@@ -101,7 +101,7 @@ class CausalConv3d(nn.Module):
         self.kt = kernel
         self.causal = causal
 
-    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+    def forward(self, x: Tensor, s: EncodeChunkState | None = None) -> Tensor:
         if self.kt > 1 and s is not None:
             return self._streamed(x, s)
         if self.kt > 1:
@@ -118,7 +118,7 @@ class CausalConv3d(nn.Module):
             return self.conv(x)
         return conv3d(x, self.conv)
 
-    def _streamed(self, x: Tensor, s: Stream) -> Tensor:
+    def _streamed(self, x: Tensor, s: EncodeChunkState) -> Tensor:
         """Causal only: the carried frames (at the start: the first frame repeated) + ``x``;
         what the next window still needs is carried on (copied, not a view of the chunk)."""
         prev = s.carry.get(self)
@@ -151,9 +151,9 @@ class ResnetBlock(nn.Module):
             if spec.plain_shortcut:
                 self.conv_shortcut = nn.Conv3d(cin, cout, 1)
             else:
-                self.conv_shortcut = CausalConv3d(cin, cout, 1, spec.causal)
+                self.conv_shortcut = EdgeFramePadConv3d(cin, cout, 1, spec.causal)
 
-    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+    def forward(self, x: Tensor, s: EncodeChunkState | None = None) -> Tensor:
         h = self.conv1(self.nonlinearity(self.norm1(x)), s)
         h = self.conv2(self.nonlinearity(self.norm2(h)), s)
         if self.norm3 is not None:
@@ -183,7 +183,7 @@ class SpaceToDepthDownsampler(nn.Module):
         width = cout // (stride[0] * stride[1] * stride[2])
         self.conv = _conv(cin, width, spec)
 
-    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+    def forward(self, x: Tensor, s: EncodeChunkState | None = None) -> Tensor:
         if s is None or s.first_call(self):  # chunks after the first are whole groups
             x = torch.cat([x[:, :, : self.stride[0] - 1], x], 2)
         skip = space_to_depth(x, self.stride)
@@ -197,7 +197,7 @@ class DownBlock(nn.Module):
         self.resnets = nn.ModuleList(ResnetBlock(b.cin, b.cin, spec) for _ in range(b.layers))
         self.downsamplers: nn.ModuleList | None = None
         if b.downsample == "conv":
-            conv = CausalConv3d(b.cin, b.cin, 3, spec.causal, (2, 2, 2), spec.padding_mode)
+            conv = EdgeFramePadConv3d(b.cin, b.cin, 3, spec.causal, (2, 2, 2), spec.padding_mode)
             self.downsamplers = nn.ModuleList([conv])
         elif b.downsample is not None:
             stride = DOWNSAMPLE_STRIDES[b.downsample]
@@ -206,7 +206,7 @@ class DownBlock(nn.Module):
             )
         self.conv_out = ResnetBlock(b.cin, b.cout, spec) if b.conv_out else None
 
-    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+    def forward(self, x: Tensor, s: EncodeChunkState | None = None) -> Tensor:
         for resnet in self.resnets:
             x = resnet(x, s)
         if self.downsamplers is not None:
@@ -221,7 +221,7 @@ class MidBlock(nn.Module):
         super().__init__()
         self.resnets = nn.ModuleList(ResnetBlock(ch, ch, spec) for _ in range(layers))
 
-    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+    def forward(self, x: Tensor, s: EncodeChunkState | None = None) -> Tensor:
         for resnet in self.resnets:
             x = resnet(x, s)
         return x
@@ -249,8 +249,8 @@ class SharedLogvar(nn.Module):
         return torch.cat([h, last.expand(-1, h.shape[1] - 2, -1, -1, -1)], 1)
 
 
-def _conv(cin: int, cout: int, spec: EncoderSpec) -> CausalConv3d:
-    return CausalConv3d(cin, cout, 3, spec.causal, padding_mode=spec.padding_mode)
+def _conv(cin: int, cout: int, spec: EncoderSpec) -> EdgeFramePadConv3d:
+    return EdgeFramePadConv3d(cin, cout, 3, spec.causal, padding_mode=spec.padding_mode)
 
 
 # --- the architecture ---------------------------------------------------------------------
@@ -269,7 +269,7 @@ class EncoderNet(nn.Module):
         self.conv_out = _conv(spec.mid_channels, spec.latent_channels + 1, spec)
         self.shared_logvar = SharedLogvar()
 
-    def forward(self, x: Tensor, s: Stream | None = None) -> Tensor:
+    def forward(self, x: Tensor, s: EncodeChunkState | None = None) -> Tensor:
         """The whole clip (``s`` None), or the next chunk of a causal stream ``s``."""
         h = self.conv_in(self.patchify(x), s)
         for block in self.down_blocks:

@@ -33,7 +33,7 @@ class EncoderSpec:
     padding_mode: str
 
 
-class CausalConv3d(nn.Conv3d):
+class ZeroFrameCausalConv3d(nn.Conv3d):
     """Conv3d after ``pad`` reflected pixels on each side and ``pad_t`` zero frames in front."""
 
     def __init__(
@@ -70,10 +70,10 @@ class ResnetBlock(nn.Module):
     def __init__(self, cin: int, cout: int, spec: EncoderSpec) -> None:
         super().__init__()
         self.norm1 = FrameGroupNorm(spec.groups, cin, eps=spec.eps)
-        self.conv1 = CausalConv3d(cin, cout, 3, 1, 2, mode=spec.padding_mode)
+        self.conv1 = ZeroFrameCausalConv3d(cin, cout, 3, 1, 2, mode=spec.padding_mode)
         self.norm2 = FrameGroupNorm(spec.groups, cout, eps=spec.eps)
-        self.conv2 = CausalConv3d(cout, cout, 3, 1, 2, mode=spec.padding_mode)
-        self.conv_shortcut = CausalConv3d(cin, cout, 1) if cin != cout else None
+        self.conv2 = ZeroFrameCausalConv3d(cout, cout, 3, 1, 2, mode=spec.padding_mode)
+        self.conv_shortcut = ZeroFrameCausalConv3d(cin, cout, 1) if cin != cout else None
 
     def forward(self, x: Tensor) -> Tensor:
         skip = self.conv_shortcut(x) if self.conv_shortcut is not None else x
@@ -87,7 +87,7 @@ class Downsampler(nn.Module):
     def __init__(self, dim: int, factor_t: int, factor_s: int, mode: str) -> None:
         super().__init__()
         self.factor_s, self.mode = factor_s, mode
-        self.conv = CausalConv3d(dim, dim, 3, 0, 2, (factor_t, factor_s, factor_s), mode)
+        self.conv = ZeroFrameCausalConv3d(dim, dim, 3, 0, 2, (factor_t, factor_s, factor_s), mode)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.factor_s == 2:
@@ -119,7 +119,9 @@ class EncoderNet(nn.Module):
     def __init__(self, spec: EncoderSpec) -> None:
         super().__init__()
         w = spec.widths
-        self.conv_in = CausalConv3d(spec.in_channels, w[0], 3, 1, 2, mode=spec.padding_mode)
+        self.conv_in = ZeroFrameCausalConv3d(
+            spec.in_channels, w[0], 3, 1, 2, mode=spec.padding_mode
+        )
         self.down_blocks = nn.ModuleList(
             DownBlock(cin, cout, ft, fs, spec)
             for cin, cout, ft, fs in zip(
@@ -128,7 +130,7 @@ class EncoderNet(nn.Module):
         )
         self.norm_out = FrameGroupNorm(spec.groups, w[-1], eps=spec.eps)
         self.conv_act = nn.SiLU()
-        self.conv_out = CausalConv3d(
+        self.conv_out = ZeroFrameCausalConv3d(
             w[-1], 2 * spec.latent_channels, 3, 1, 2, mode=spec.padding_mode
         )
 

@@ -1,0 +1,170 @@
+"""The served mode, chosen by measurement: every candidate mode decodes the gate's plain probe
+(best of a few timed repeats); the fastest whose outputs pass the whole gate is served.
+
+The candidates' order (``modes.candidate_modes``: where the CPU flags come in) only breaks
+near-ties: a later candidate must be faster by more than ``TIE`` to win over an earlier one.
+The plain-probe decode is the gate's batch-1 check, so a candidate's timing costs no extra
+decode; the rest of the gate runs only on the candidates in order of their time, until one
+passes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from app import timing
+from app.decoders.base import VAEDecoder
+from app.runtime import device as devices
+from app.runtime import gate, modes
+from app.runtime.modes import Mode
+
+log = logging.getLogger("app.runtime.selection")
+
+TIE = 1.05  # a later candidate wins only when faster than an earlier one by more than this
+CLEARLY_SLOWER = 2.0  # a first decode this much slower than the best: no more repeats
+
+
+@dataclass
+class Candidate:
+    mode: Mode
+    decoder: VAEDecoder | None = None
+    probe_seconds: float | None = None
+    probe_cosine: float | None = None  # the batch-1 check
+    report: gate.GateReport | None = None  # the whole gate, where it ran
+    error: str = ""
+    output: Tensor | None = field(default=None, repr=False)  # the gate's batch-1 decode
+
+    def passed(self, min_cos: float) -> bool:
+        return self.report is not None and self.report.passed(min_cos)
+
+    def describe(self, min_cos: float) -> dict[str, Any]:
+        return {
+            "mode": str(self.mode),
+            "dtype": str(self.mode.dtype).removeprefix("torch."),
+            "optimized": self.mode.optimized,
+            "probe_seconds": None if self.probe_seconds is None else round(self.probe_seconds, 4),
+            "probe_cosine": self.probe_cosine,
+            "gated": self.report is not None,
+            "passed": self.passed(min_cos) if self.report is not None else None,
+            "parity_cosine": None if self.report is None else self.report.cosine,
+            "error": self.error or None,
+        }
+
+
+@dataclass
+class Selection:
+    chosen: Candidate
+    passed: bool
+    why: str
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+def choose(
+    name: str,
+    reference: VAEDecoder,
+    probes: gate.Probes,
+    device: torch.device,
+    candidate_modes: list[Mode],
+    min_cos: float,
+    repeats: int = 2,
+) -> Selection:
+    """Measure every candidate, then gate them fastest first; the first that passes wins."""
+    candidates = [Candidate(mode) for mode in candidate_modes]
+    best = float("inf")
+    for candidate in candidates:
+        _measure(candidate, reference, probes, device, repeats, best)
+        if candidate.probe_seconds is not None:
+            best = min(best, candidate.probe_seconds)
+        log.info(
+            "model %s: candidate %s on %s: probe %s s, batch-1 cosine %s%s",
+            name,
+            candidate.mode,
+            device,
+            _fmt(candidate.probe_seconds, ".4f"),
+            _fmt(candidate.probe_cosine, ".7f"),
+            f" ({candidate.error})" if candidate.error else "",
+        )
+    try:
+        return _gate_in_order(name, probes, candidates, min_cos)
+    finally:
+        for candidate in candidates:
+            candidate.output = None
+
+
+def _gate_in_order(
+    name: str, probes: gate.Probes, candidates: list[Candidate], min_cos: float
+) -> Selection:
+    for candidate in ranked(candidates):
+        if candidate.probe_cosine is None or candidate.probe_cosine < min_cos:
+            continue
+        candidate.report = gate.run(candidate.decoder, probes, candidate.output)
+        if candidate.passed(min_cos):
+            return Selection(candidate, True, _why(candidate, candidates, min_cos), candidates)
+        log.info("model %s: %s fails the gate: %s", name, candidate.mode, candidate.report)
+    failed = [c for c in candidates if c.decoder is not None] or candidates
+    worst = max(failed, key=lambda c: c.report.cosine if c.report else (c.probe_cosine or -1))
+    if worst.report is None and worst.decoder is not None:
+        worst.report = gate.run(worst.decoder, probes)  # the fallback's reason needs a cosine
+    return Selection(worst, False, "no candidate passes the gate", candidates)
+
+
+def ranked(candidates: list[Candidate]) -> list[Candidate]:
+    """Measured candidates, fastest first; within ``TIE`` the earlier in order goes first."""
+    measured = [c for c in candidates if c.probe_seconds is not None]
+    out: list[Candidate] = []
+    remaining = list(measured)
+    while remaining:
+        fastest = min(c.probe_seconds for c in remaining)
+        pick = next(c for c in remaining if c.probe_seconds <= fastest * TIE)
+        out.append(pick)
+        remaining.remove(pick)
+    return out
+
+
+def _measure(
+    candidate: Candidate,
+    reference: VAEDecoder,
+    probes: gate.Probes,
+    device: torch.device,
+    repeats: int,
+    best: float,
+) -> None:
+    try:
+        decoder = modes.build(reference, device, candidate.mode)
+        if decoder is not reference:
+            timing.instrument(decoder.stages())
+        seconds, out = float("inf"), None
+        for _ in range(max(1, repeats)):
+            t0 = time.perf_counter()
+            out = gate.decode_plain(decoder, probes)
+            devices.synchronize(device)
+            seconds = min(seconds, time.perf_counter() - t0)
+            if seconds > best * CLEARLY_SLOWER:
+                break
+        candidate.decoder, candidate.probe_seconds = decoder, seconds
+        candidate.output = out
+        candidate.probe_cosine = gate.check_plain(decoder, probes, out).cosine
+    except Exception as exc:  # a mode this device cannot run is not a candidate
+        candidate.error = f"{type(exc).__name__}: {exc}"
+
+
+def _why(chosen: Candidate, candidates: list[Candidate], min_cos: float) -> str:
+    others = [c for c in candidates if c is not chosen and c.probe_seconds is not None]
+    if not others:
+        return "the only candidate"
+    faster = [c for c in others if c.probe_seconds < chosen.probe_seconds]
+    if not faster:
+        return f"fastest on the probe ({chosen.probe_seconds:.4f} s)"
+    if all(c.probe_seconds * TIE >= chosen.probe_seconds for c in faster):
+        return f"within {TIE:.2f}x of the fastest and earlier in the order"
+    return "the fastest that passes the gate"
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
