@@ -25,7 +25,7 @@ disable_created_metrics()
 # Buckets are few on purpose: Managed Prometheus bills every series, and each bucket is one per
 # label set. Series per replica and model: docs/metrics.md, "Series per replica".
 # queue wait, device decode and encode of a request: 1 ms .. 1 min
-SPAN_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 60)
+SPAN_BUCKETS = (0.005, 0.025, 0.1, 0.5, 2.5, 10, 60)
 # whole requests: the queue (VAE_MAX_REQUEST_TIMEOUT_S) plus the longest admitted decode, up to
 # Cloud Run's request timeout (deploy/cloudrun/service.yaml: 3600 s)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60, 600, 3600)
@@ -54,7 +54,7 @@ class ByKind:
         return self.histogram.labels(model, output_kind(output), *rest)
 
 
-BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 def code_class(code: int) -> str:
