@@ -400,7 +400,7 @@ def test_models_readyz_and_metrics(flux_server):
     text = requests.get(f"{flux_server}/metrics").text
     for needle in (
         'vae_phase_seconds_count{device="cpu",model="flux-tiny",phase="up_0"}',
-        'vae_span_seconds_bucket{le="0.001",model="flux-tiny",span="decode"}',
+        'vae_span_seconds_bucket{le="0.005",model="flux-tiny",span="decode"}',
         'vae_requests_total{code="200",model="flux-tiny",output="tensor"}',
         'vae_request_seconds_count{code_class="2xx",kind="tensor",model="flux-tiny"}',
         'vae_parity_cosine{model="flux-tiny"} 1.0',
