@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -50,7 +51,8 @@ async def handle_decode(
     timer = PhaseTimer()
     drain.active += 1
     try:
-        response = await _answer(request, name, runtime, settings, drain, timer)
+        work = lambda: _decode(request, name, runtime, settings, timer)  # noqa: E731
+        response = await answered("decode", request, work, settings, drain)
     except BaseException:  # cancelled by a hard shutdown: still account for it
         drain.active -= 1
         raise
@@ -63,19 +65,18 @@ async def handle_decode(
     return response
 
 
-async def _answer(
+async def answered(
+    op: str,
     request: Request,
-    name: str | None,
-    runtime: Runtime,
+    work: Callable[[], Awaitable[Response]],
     settings: Settings,
     drain: Drain,
-    timer: PhaseTimer,
 ) -> Response:
-    """The decode's response, or the JSON error that answers it instead."""
+    """``work``'s response (a decode's or an encode's), or the JSON error that answers it."""
     try:
         if drain.draining:
             raise ProtocolError(503, "the service is shutting down", "retry: another instance")
-        return await _decode(request, name, runtime, settings, timer)
+        return await work()
     except ProtocolError as exc:
         headers = {"Retry-After": str(settings.retry_after_s)} if exc.status in (429, 503) else {}
         if drain.draining or exc.status in BODY_LEFT_UNREAD:
@@ -84,7 +85,7 @@ async def _answer(
     except ClientGone:
         return error_response(CLIENT_GONE, {"error": "the client disconnected"})
     except Exception:  # a server bug: answer JSON, keep the request's log line and metrics
-        log.exception("decode request %s failed", request.state.request_id)
+        log.exception("%s request %s failed", op, request.state.request_id)
         return error_response(500, {"error": "internal server error"})
 
 

@@ -21,8 +21,8 @@ from app import media
 from app.config import Settings
 from app.drain import Drain
 from app.http.accounting import finisher, server_timing
-from app.http.decode import BODY_LEFT_UNREAD, _outcome, deadline, read_body, resolve_model
-from app.http.errors import CLIENT_GONE, ClientGone, error_response, runtime_error
+from app.http.decode import _outcome, answered, deadline, read_body, resolve_model
+from app.http.errors import runtime_error
 from app.metrics import Metrics
 from app.protocol import ProtocolError
 from app.protocol.encode import EncoderGeometry, parse_encode_head, validate_encode
@@ -47,7 +47,8 @@ async def handle_encode(
     timer = PhaseTimer()
     drain.active += 1
     try:
-        response = await _answer(request, name, runtime, settings, drain, timer)
+        work = lambda: _encode(request, name, runtime, settings, timer)  # noqa: E731
+        response = await answered("encode", request, work, settings, drain)
     except BaseException:  # cancelled by a hard shutdown: still account for it
         drain.active -= 1
         raise
@@ -56,31 +57,6 @@ async def handle_encode(
     finish = finisher(request, response, name, runtime, metrics, drain, timer, started, "encode")
     finish(len(response.body))
     return response
-
-
-async def _answer(
-    request: Request,
-    name: str | None,
-    runtime: Runtime,
-    settings: Settings,
-    drain: Drain,
-    timer: PhaseTimer,
-) -> Response:
-    """The encode's response, or the JSON error that answers it instead."""
-    try:
-        if drain.draining:
-            raise ProtocolError(503, "the service is shutting down", "retry: another instance")
-        return await _encode(request, name, runtime, settings, timer)
-    except ProtocolError as exc:
-        headers = {"Retry-After": str(settings.retry_after_s)} if exc.status in (429, 503) else {}
-        if drain.draining or exc.status in BODY_LEFT_UNREAD:
-            headers["Connection"] = "close"
-        return error_response(exc.status, exc.body(), headers)
-    except ClientGone:
-        return error_response(CLIENT_GONE, {"error": "the client disconnected"})
-    except Exception:  # a server bug: answer JSON, keep the request's log line and metrics
-        log.exception("encode request %s failed", request.state.request_id)
-        return error_response(500, {"error": "internal server error"})
 
 
 async def _encode(
