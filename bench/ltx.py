@@ -66,7 +66,9 @@ def build_ours(seed: int = 0) -> ltx.Decoder:
     with torch.device("meta"):
         ours = ltx.Decoder(CONFIG_091)
     ours = ours.to_empty(device="cpu")
-    ours._register_latent_stats()  # non-persistent buffers: to_empty left them uninitialized
+    c = ours.spec.latent_channels  # non-persistent buffers: to_empty left them uninitialized
+    ours.latents_mean = torch.tensor(CONFIG_091.get("latents_mean") or [0.0] * c)
+    ours.latents_std = torch.tensor(CONFIG_091.get("latents_std") or [1.0] * c)
     ltx.init_synthetic(ours, torch.Generator().manual_seed(seed))
     return ours.eval().requires_grad_(False)
 
