@@ -62,13 +62,16 @@ PEER = "diffusers fp32"  # the oracle for the cosine column
 Decode = Callable[[torch.Tensor], torch.Tensor | None]
 
 
-def build_ours(seed: int = 0) -> ltx.Decoder:
+def build_ours(seed: int = 0, config: dict | None = None) -> ltx.Decoder:
+    """LTX-Video 0.9.1's decoder (or ``config``'s) with seeded weights, built without a random
+    init of its 3 GB first."""
+    config = config or CONFIG_091
     with torch.device("meta"):
-        ours = ltx.Decoder(CONFIG_091)
+        ours = ltx.Decoder(config)
     ours = ours.to_empty(device="cpu")
     c = ours.spec.latent_channels  # non-persistent buffers: to_empty left them uninitialized
-    ours.latents_mean = torch.tensor(CONFIG_091.get("latents_mean") or [0.0] * c)
-    ours.latents_std = torch.tensor(CONFIG_091.get("latents_std") or [1.0] * c)
+    ours.latents_mean = torch.tensor(config.get("latents_mean") or [0.0] * c)
+    ours.latents_std = torch.tensor(config.get("latents_std") or [1.0] * c)
     ltx.init_synthetic(ours, torch.Generator().manual_seed(seed))
     return ours.eval().requires_grad_(False)
 

@@ -1,8 +1,9 @@
 """LTX-2 decoder: ours (one pass, chunked) vs diffusers' AutoencoderKLLTX2Video, float32 CPU.
 
-python -m bench ltx2 [--frames 5] [--size 8] [--threads 1] [--repeat 2]: ``ltx2-tiny``'s
-architecture with ``init_synthetic`` weights, loaded into both; prints seconds per decode and
-cosine / max-abs against diffusers.
+python -m bench ltx2 [--frames 5] [--size 8] [--threads 1] [--repeat 2] [--released]:
+``ltx2-tiny``'s architecture (``--released``: the released LTX-2 decoder's, ``ltx2.DEFAULTS``)
+with ``init_synthetic`` weights, loaded into both; prints seconds per decode and cosine /
+max-abs against diffusers.
 """
 
 from __future__ import annotations
@@ -14,24 +15,27 @@ from collections.abc import Callable
 import torch
 
 from app.decoders import ltx
+from app.decoders.ltx import ltx2
 
 CONFIG = ltx.SYNTHETIC["ltx2-tiny"]
+RELEASED = ltx2.DEFAULTS  # the released LTX-2 decoder's architecture
 TIMESTEP = CONFIG["decode_timestep"]
 SEED = 0
 
 
-def build_ours(seed: int = 0) -> ltx.Decoder:
-    ours = ltx.Decoder(CONFIG).eval()
+def build_ours(seed: int = 0, config: dict | None = None) -> ltx.Decoder:
+    ours = ltx.Decoder(config or CONFIG).eval()
     ltx.init_synthetic(ours, torch.Generator().manual_seed(seed))
     return ours.requires_grad_(False)
 
 
 def build_peer(ours: ltx.Decoder):
-    """diffusers' AutoencoderKLLTX2Video holding ``ours``' decoder weights."""
+    """diffusers' AutoencoderKLLTX2Video holding ``ours``' decoder weights (its encoder tiny)."""
     from diffusers import AutoencoderKLLTX2Video
 
     skip = ("version", "fps", "decode_timestep")
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in CONFIG.items() if k not in skip}
+    config = ours.config
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config.items() if k not in skip}
     ref = AutoencoderKLLTX2Video(
         **kwargs, block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1)
     ).eval()
@@ -62,7 +66,7 @@ def _timed(fn: Callable[[], torch.Tensor], repeat: int) -> tuple[torch.Tensor, f
 
 def run(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
-    ours = build_ours()
+    ours = build_ours(config=RELEASED if args.released else None)
     ref = build_peer(ours)
     z = latent(ours, args.frames, args.size)
     expected, t_ref = _timed(lambda: peer_decode(ref, z), args.repeat)
@@ -84,3 +88,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--released", action="store_true", help="the released LTX-2 decoder")
