@@ -112,6 +112,22 @@ def test_optimized_modules_are_exact():
     assert cosine(fast, plain) >= 0.999999
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_phase_upsample_of_channels_last_weights(dtype):
+    """Each phase kernel of a channels-last conv is channels-last itself (else every call
+    reorders it), and the phases compute conv3x3(nearest2x(x)) exactly as before."""
+    cl = torch.channels_last
+    w = torch.randn(24, 16, 3, 3).to(dtype).contiguous(memory_format=cl)
+    x = torch.randn(1, 16, 6, 5).to(dtype).contiguous(memory_format=cl)
+    phases = ops.upsample_conv_phase_weights(w)
+    assert all(phases[a, c].is_contiguous(memory_format=cl) for a in (0, 1) for c in (0, 1))
+    got = ops.upsample2x_conv3x3_phases(x, phases, None)
+    assert torch.equal(got, ops.upsample2x_conv3x3_phases(x, phases.contiguous(), None))
+    up = torch.nn.functional.interpolate(x.double(), scale_factor=2.0, mode="nearest")
+    want = torch.nn.functional.conv2d(up, w.double(), padding=1)
+    assert cosine(got, want) >= (0.99999 if dtype == torch.float32 else 0.999)
+
+
 @pytest.mark.parametrize("optimized", [False, True])
 def test_banded_path_is_exact(optimized):
     """Row bands with gathered GroupNorm statistics equal the whole-tensor decode."""

@@ -93,8 +93,10 @@ def upsample_conv_phase_weights(weight: Tensor) -> Tensor:
         )
         phases.append(torch.stack(cols))
     out = torch.stack(phases)
-    if weight.is_contiguous(memory_format=torch.channels_last):
-        out = out.contiguous(memory_format=torch.channels_last) if out.ndim == 4 else out
+    if weight.is_contiguous(memory_format=torch.channels_last) and weight.shape[1] > 1:
+        # each phase's kernel channels-last itself, else every conv call reorders it
+        laid = out.new_empty(out.shape[:3] + out.shape[4:] + out.shape[3:4])
+        out = laid.permute(0, 1, 2, 5, 3, 4).copy_(out)
     return out
 
 
