@@ -66,7 +66,9 @@ def test_family_rows_build_their_setups():
     built = ltx_bench.build_ours(seed=3, config=config)
     plain = ltx.Decoder(config).eval()
     ltx.init_synthetic(plain, torch.Generator().manual_seed(3))
-    for (name, a), (_, b) in zip(built.state_dict().items(), plain.state_dict().items()):
+    for (name, a), (_, b) in zip(
+        built.state_dict().items(), plain.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), name
     assert torch.equal(built.latents_std, plain.latents_std)
     z = torch.randn(1, c, 2, 4, 4)
