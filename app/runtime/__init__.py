@@ -16,7 +16,8 @@ from app.config import Settings
 from app.metrics import Metrics
 from app.request import DecodeRequest
 from app.runtime import compiled
-from app.runtime.encoders import EncodeJob, ServedEncoder, load_encoders
+from app.runtime.encoders import EncodeJob, Policy, ServedEncoder, load_encoders
+from app.runtime.encoders import select as select_encoder
 from app.runtime.registry import Registry, ServedModel
 from app.runtime.runner import Runner
 from app.runtime.scheduler import Job, Scheduler
@@ -91,6 +92,7 @@ class Runtime:
         if self.registry.pending:
             self.registry.select_pending()
             self.warm_up()  # the winners' own first decodes
+        self.select_encoders()
         self.compile_warm_up_shapes()
 
     def start(self) -> None:
@@ -111,9 +113,30 @@ class Runtime:
             Path(self.settings.models_dir),
             list(self.registry.models),
             self.registry.device,
-            self.settings.parity_min_cos,
+            self.encoder_policy(),
             self.settings.verify_weights,
         )
+
+    def encoder_policy(self) -> Policy:
+        """The decoders' choice of modes (``VAE_DTYPE``, the gate, ``VAE_SELECT``) for the
+        encoders."""
+        return Policy(
+            self.settings.dtype,
+            self.settings.parity_min_cos,
+            self.settings.gate_repeats,
+            self.registry.select_after_ready(),
+        )
+
+    def select_encoders(self) -> None:
+        """Measure the modes of the encoders served exactly until now (after ready)."""
+        for served in self.encoders.values():
+            if served.selection != "pending":
+                continue
+            try:
+                select_encoder(served, self.encoder_policy())
+            except Exception as exc:  # the exact encoder keeps serving
+                served.selection = f"failed: {exc}"
+                log.error("encoder of %s: mode selection failed: %s", served.name, exc)
 
     def submit_encode(self, job: EncodeJob):
         return self.scheduler.submit_call(job)

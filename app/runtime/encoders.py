@@ -1,10 +1,14 @@
 """The served encoders: each store entry that holds one gets its exact float32 CPU encoder and
-a served copy gated like the decoders, and ``run_encode`` runs one encode on the decode worker.
+a served copy, chosen and gated like the decoders' (``app/runtime/selection.py``), and
+``run_encode`` runs one encode on the decode worker.
 
-The gate compares the served copy's moments (mean and logvar, or TAESD's latent) with the
-exact encoder's on the family's seeded ``probe_input``: the copy is served when their cosine
-reaches ``VAE_PARITY_MIN_COS``, else the exact encoder is (the fallback). Kept apart from
-``registry`` (the decoders) so that each changes on its own; ``Runtime.load_all`` calls
+The candidate modes are the decoders' (``modes.candidate_modes``: ``VAE_DTYPE``). Each
+candidate encodes the family's seeded ``probe_input`` (best of ``VAE_GATE_REPEATS``) and is
+compared with the exact encoder's moments (mean and logvar, or TAESD's latent); the fastest
+whose cosine reaches ``VAE_PARITY_MIN_COS`` is served (a later one in the order only when
+faster by more than ``selection.TIE``). On the CPU with ``VAE_SELECT=auto`` the exact encoder
+serves at once and the candidates are measured after ready, as the decoders' are. Kept apart
+from ``registry`` (the decoders) so that each changes on its own; ``Runtime.load_all`` calls
 ``load_encoders`` once the decoders are in.
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +29,10 @@ from app.decoders.ops import cosine
 from app.encoders import encoder_module
 from app.encoders.base import VAEEncoder
 from app.request import EncodeRequest, EncodeScaling
+from app.runtime import device as devices
+from app.runtime import modes, selection
 from app.runtime.gate import PROBE_SEED
+from app.runtime.modes import Mode
 from app.runtime.runner import NonFiniteOutput
 from app.runtime.scheduler import Call
 from app.store import load_encoder
@@ -33,6 +40,25 @@ from app.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime.encoders")
 STAGE_PREFIX = "encoder."  # the encoder's phases: encoder.conv_in, ..., encoder.normalize
+
+
+@dataclass
+class Candidate:
+    """One mode's copy, its best time on the probe and its moments' cosine."""
+
+    mode: Mode
+    encoder: VAEEncoder | None = None
+    probe_seconds: float | None = None
+    cosine: float | None = None
+    error: str = ""
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "mode": str(self.mode),
+            "probe_seconds": None if self.probe_seconds is None else round(self.probe_seconds, 4),
+            "parity_cosine": self.cosine,
+            "error": self.error or None,
+        }
 
 
 @dataclass
@@ -45,6 +71,10 @@ class ServedEncoder:
     fallback: bool
     reason: str = ""
     load_seconds: float = 0.0
+    mode: Mode = modes.EXACT
+    why: str = ""  # why the served mode won
+    selection: str = "done"  # pending (the exact encoder serves meanwhile), measuring, done
+    candidates: list[Candidate] = field(default_factory=list)
 
     @property
     def active(self) -> VAEEncoder:
@@ -55,6 +85,7 @@ class ServedEncoder:
         return "cpu" if self.fallback else self.device.type
 
     def describe(self) -> dict[str, Any]:
+        mode = modes.EXACT if self.active is self.reference else self.mode
         return {
             "family": self.reference.family,
             "latent_channels": self.reference.latent_channels,
@@ -62,9 +93,13 @@ class ServedEncoder:
             "temporal_scale": self.reference.temporal_scale,
             "video": self.reference.is_video,
             "device": self.serving_device,
-            "dtype": "float32",
+            "dtype": str(mode.dtype).removeprefix("torch."),
             # "exact": the float32 CPU encoder itself; "optimized": the gated served copy
             "path": "exact" if self.active is self.reference else "optimized",
+            "mode": str(mode),
+            "chosen_because": self.why or None,
+            "selection": self.selection,
+            "candidates": [c.describe() for c in self.candidates],
             "parity_cosine": self.cosine,
             "fallback": self.fallback,
             "fallback_reason": self.reason or None,
@@ -72,8 +107,19 @@ class ServedEncoder:
         }
 
 
+@dataclass(frozen=True)
+class Policy:
+    """How the served encoders are chosen: ``VAE_DTYPE``'s candidates, the gate's threshold,
+    the timed repeats, and whether the measurement waits until after ready."""
+
+    dtype: str = "auto"
+    min_cos: float = 0.9999
+    repeats: int = 2
+    after_ready: bool = False
+
+
 def load_encoders(
-    store: Path, names: list[str], device: torch.device, min_cos: float, verify: bool = False
+    store: Path, names: list[str], device: torch.device, policy: Policy, verify: bool = False
 ) -> tuple[dict[str, ServedEncoder], dict[str, str]]:
     """The encoders of the served entries that hold one, and why any that should failed."""
     from app.store import read_manifest
@@ -84,7 +130,7 @@ def load_encoders(
         try:
             _, manifest = read_manifest(store, name)
             if "encoder" in manifest.parts:
-                served[name] = load_one(store, name, device, min_cos, verify)
+                served[name] = load_one(store, name, device, policy, verify)
         except Exception as exc:  # the entry's decoder is still served
             errors[name] = str(exc)
             log.error("encoder of %s not served: %s", name, exc)
@@ -92,7 +138,7 @@ def load_encoders(
 
 
 def load_one(
-    store: Path, name: str, device: torch.device, min_cos: float, verify: bool = False
+    store: Path, name: str, device: torch.device, policy: Policy, verify: bool = False
 ) -> ServedEncoder:
     t0 = time.perf_counter()
     manifest, state = load_encoder(store, name, verify)
@@ -102,49 +148,130 @@ def load_one(
     reference.float()
     reference.requires_grad_(False)
     _instrument(reference)
-    fast = _served_copy(reference, device)
-    cos = gate(reference, fast)
-    passed = cos >= min_cos
-    reason = "" if passed else f"encoder parity cosine {cos:.6f} < {min_cos} on {device.type}"
-    if not passed:
-        log.warning("encoder of %s served on the float32 CPU fallback: %s", name, reason)
-    served = ServedEncoder(name, reference, fast, device, cos, not passed, reason)
+    served = ServedEncoder(name, reference, reference, device, 1.0, False)
+    if policy.after_ready and device.type == "cpu":
+        served.selection = "pending"  # the exact encoder serves until select() has measured
+    else:
+        select(served, policy)
     served.load_seconds = time.perf_counter() - t0
-    log.info(
-        "encoder of %s: %s, parity cosine %.7f, %.2f s",
-        name,
-        served.describe()["path"],
-        cos,
-        served.load_seconds,
-    )
     return served
 
 
-def _served_copy(reference: VAEEncoder, device: torch.device) -> VAEEncoder:
-    """The copy requests run on: the reference itself where the family has no rewrites and
-    the device is the CPU (nothing to gate), else a float32 copy on ``device``, optimized."""
+def select(served: ServedEncoder, policy: Policy) -> None:
+    """Measure every candidate mode of ``served`` and serve the fastest that passes the gate
+    (else the exact CPU encoder, with the reason). A request in flight keeps its copy."""
+    served.selection = "measuring"
+    reference, device = served.reference, served.device
+    candidates = measure(reference, device, modes.candidate_modes(policy.dtype, device), policy)
+    passing = [c for c in candidates if c.cosine is not None and c.cosine >= policy.min_cos]
+    ranked = selection.ranked(passing)
+    served.candidates = candidates
+    if ranked:
+        chosen = ranked[0]
+        served.fast, served.mode, served.cosine = chosen.encoder, chosen.mode, chosen.cosine
+        served.why = selection.why(chosen, candidates)
+        served.fallback, served.reason = False, ""
+    else:
+        worst = min((c.cosine for c in candidates if c.cosine is not None), default=float("nan"))
+        served.fallback, served.cosine = True, worst
+        served.reason = f"encoder parity cosine {worst:.6f} < {policy.min_cos} on {device.type}"
+        log.warning(
+            "encoder of %s served on the float32 CPU fallback: %s", served.name, served.reason
+        )
+    for candidate in candidates:  # only the served copy is kept
+        if candidate.encoder is not served.fast:
+            candidate.encoder = None
+    served.selection = "done"
+    log.info(
+        "encoder of %s: %s (%s), parity cosine %.7f; probe %s",
+        served.name,
+        served.describe()["mode"],
+        served.why or served.reason,
+        served.cosine,
+        ", ".join(f"{c.mode} {_seconds(c)}" for c in candidates),
+    )
+
+
+def measure(
+    reference: VAEEncoder, device: torch.device, candidate_modes: list[Mode], policy: Policy
+) -> list[Candidate]:
+    """Each mode's copy, timed on the probe and compared with the exact encoder's moments."""
+    probe = reference.probe_input(torch.Generator().manual_seed(PROBE_SEED))
+    with torch.inference_mode():
+        expected = reference.moments(probe)
     rewrites = type(reference).optimize is not VAEEncoder.optimize
-    if device.type == "cpu" and not rewrites:
+    candidates = []
+    for mode in candidate_modes:
+        if mode.optimized and not rewrites and Mode(mode.dtype, False) in candidate_modes:
+            continue  # the same copy as the exact one of this dtype
+        candidate = Candidate(mode)
+        try:
+            candidate.encoder = build(reference, device, mode)
+            got, candidate.probe_seconds = _timed(candidate.encoder, probe, device, policy.repeats)
+            candidate.cosine = cosine(got.float().cpu(), expected)
+        except Exception as exc:  # a mode this family or device cannot run is not a candidate
+            candidate.error = f"{type(exc).__name__}: {exc}"
+            candidate.encoder = None
+        candidates.append(candidate)
+    return candidates
+
+
+def build(reference: VAEEncoder, device: torch.device, mode: Mode) -> VAEEncoder:
+    """The copy requests run on for ``mode``: the reference itself for the CPU exact mode,
+    else a copy on ``device`` whose floating parameters take the mode's dtype (buffers, such
+    as latent statistics, stay float32), with the family's rewrites when ``optimized``."""
+    if device.type == "cpu" and mode == modes.EXACT:
         return reference
+    cast = _cast_names(reference, mode.dtype)
+    if mode.dtype != torch.float32 and not cast:
+        raise ValueError(f"the family keeps every parameter in float32, none in {mode.dtype}")
     fast = copy.deepcopy(reference).to(device)
-    fast.optimize()
+    for name, param in fast.named_parameters():
+        if name in cast:
+            param.data = param.data.to(mode.dtype)
+    if mode.optimized:
+        fast.optimize()
     _instrument(fast)
-    return fast
+    return fast.eval().requires_grad_(False)
+
+
+def _cast_names(reference: VAEEncoder, dtype: torch.dtype) -> set[str]:
+    """The floating parameters a copy in ``dtype`` casts: all but those the family
+    ``keeps_float32`` (MiniMax-H3's reference pins its whole encoder to float32)."""
+    keeps = getattr(reference, "keeps_float32", lambda name: False)
+    return {
+        name
+        for name, param in reference.named_parameters()
+        if param.is_floating_point() and not (dtype != torch.float32 and keeps(name))
+    }
+
+
+@torch.inference_mode()
+def _timed(
+    encoder: VAEEncoder, probe: Tensor, device: torch.device, repeats: int
+) -> tuple[Tensor, float]:
+    x = probe.to(device, _dtype(encoder))
+    best, out = float("inf"), None
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        out = encoder.moments(x)
+        devices.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return out, best
+
+
+def _seconds(candidate: Candidate) -> str:
+    if candidate.probe_seconds is None:
+        return f"failed ({candidate.error})"
+    return f"{candidate.probe_seconds:.4f} s (cos {candidate.cosine:.7f})"
+
+
+def _dtype(encoder: VAEEncoder) -> torch.dtype:
+    return next(encoder.parameters()).dtype
 
 
 def _instrument(encoder: VAEEncoder) -> None:
     timing.instrument([(STAGE_PREFIX + name, module) for name, module in encoder.stages()])
-
-
-@torch.inference_mode()
-def gate(reference: VAEEncoder, fast: VAEEncoder) -> float:
-    """Cosine of the served copy's moments against the exact encoder's on the probe input."""
-    if fast is reference:
-        return 1.0
-    probe = reference.probe_input(torch.Generator().manual_seed(PROBE_SEED))
-    expected = reference.moments(probe)
-    got = fast.moments(probe.to(next(fast.parameters()).device))
-    return cosine(got.float().cpu(), expected)
 
 
 class InvalidInput(ValueError):
@@ -172,7 +299,7 @@ def run_encode(
     timer.device = device
     with timer.active():
         with timer.device_phase("upload"):
-            pixels = request.pixels.to(device)
+            pixels = request.pixels.to(device, _dtype(encoder))
         generator = torch.Generator().manual_seed(request.seed) if request.sample else None
         try:
             z = encoder.encode(pixels, sample=request.sample, generator=generator)

@@ -197,7 +197,7 @@ class Registry:
             names = []
         for name in names:
             self.states[name] = ModelState()
-        defer = self._select_after_ready()
+        defer = self.select_after_ready()
         workers = 1 if self.settings.load_prefetch else 0
         with ThreadPoolExecutor(max(1, workers), thread_name_prefix="model-prefetch") as pool:
             if workers:  # one thread maps the entries in order, ahead of the gates
@@ -215,7 +215,7 @@ class Registry:
                     state.enter("failed", str(exc))
                     log.error("model %s not served: %s", name, exc)
 
-    def _select_after_ready(self) -> bool:
+    def select_after_ready(self) -> bool:
         """``VAE_SELECT=auto``: on the CPU with ``VAE_DTYPE=auto`` the exact path serves first
         (it needs no gate: it is the reference) and the faster modes are measured after ready;
         on a GPU the CPU path is no stand-in, so the modes are measured before ready."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -28,6 +28,15 @@ log = logging.getLogger("app.runtime.selection")
 
 TIE = 1.05  # a later candidate wins only when faster than an earlier one by more than this
 CLEARLY_SLOWER = 2.0  # a first decode this much slower than the best: no more repeats
+
+
+class Timed(Protocol):
+    """A measured candidate (a decoder's or an encoder's): its best time on the probe."""
+
+    probe_seconds: float | None
+
+
+T = TypeVar("T", bound=Timed)
 
 
 @dataclass
@@ -105,7 +114,7 @@ def _gate_in_order(
             continue
         candidate.report = gate.run(candidate.decoder, probes, candidate.output)
         if candidate.passed(min_cos):
-            return Selection(candidate, True, _why(candidate, candidates, min_cos), candidates)
+            return Selection(candidate, True, why(candidate, candidates), candidates)
         log.info("model %s: %s fails the gate: %s", name, candidate.mode, candidate.report)
     failed = [c for c in candidates if c.decoder is not None] or candidates
     worst = max(failed, key=lambda c: c.report.cosine if c.report else (c.probe_cosine or -1))
@@ -114,10 +123,10 @@ def _gate_in_order(
     return Selection(worst, False, "no candidate passes the gate", candidates)
 
 
-def ranked(candidates: list[Candidate]) -> list[Candidate]:
+def ranked(candidates: list[T]) -> list[T]:
     """Measured candidates, fastest first; within ``TIE`` the earlier in order goes first."""
     measured = [c for c in candidates if c.probe_seconds is not None]
-    out: list[Candidate] = []
+    out: list[T] = []
     remaining = list(measured)
     while remaining:
         fastest = min(c.probe_seconds for c in remaining)
@@ -154,7 +163,8 @@ def _measure(
         candidate.error = f"{type(exc).__name__}: {exc}"
 
 
-def _why(chosen: Candidate, candidates: list[Candidate], min_cos: float) -> str:
+def why(chosen: Timed, candidates: list[T]) -> str:
+    """Why ``chosen`` won over the other measured ``candidates``."""
     others = [c for c in candidates if c is not chosen and c.probe_seconds is not None]
     if not others:
         return "the only candidate"
