@@ -7,10 +7,11 @@ One row per family (``FAMILIES``), each measured in its own subprocess (its mode
 before the next family loads). diffusers is measured as a user would set it up: float32,
 float32 with channels_last (``channels_last_3d`` for video), bf16 (skipped when this
 machine's bf16 GEMM runs below 1/4 of float32's: emulated); its fastest setting is the row's
-peer. The service side is our encoder at float32, exact, and its ``optimize()``d copy where
-the family has a fast path (the served copy behind the parity gate). The cosine is our exact
-encode's moments against diffusers float32's (same weights: the check that the row compares
-like with like). Variants take turns each round (``common.interleaved``), so a load change
+peer. The service side is our exact float32 encoder and the copy the service serves on this
+machine (``app/runtime/encoders.select``: every candidate mode timed on the probe, the fastest
+that passes the gate; the row names it and each candidate's probe time). The cosine is our
+exact encode's moments against diffusers float32's (same weights: the check that the row
+compares like with like), and the served copy's against our exact one's. Variants take turns each round (``common.interleaved``), so a load change
 on a shared machine lands on all alike.
 
 Shapes (``--quick`` / default): FLUX.1 (full ``AutoencoderKL`` encoder: 16 ch, widths
@@ -40,16 +41,19 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderTiny
 from torch import nn
 
+from app.config import Settings
 from app.decoders.ops import cosine
 from app.encoders import flux, taesd
 from app.encoders.base import VAEEncoder
 from app.encoders.flux.model import ENCODER_CONFIG
+from app.runtime import encoders
 from bench import common
 
 TAEF2_WEIGHTS = Path(__file__).resolve().parents[2] / "shared/weights/taef2/taef2_encoder.pth"
 CPU = torch.device("cpu")
 Encode = Callable[[], torch.Tensor]
 EMULATED = "skipped: bf16 emulated"
+MIN_COS = Settings.model_fields["parity_min_cos"].default
 SAME_WEIGHTS = "madebyollin Sequential (same weights)"
 
 
@@ -247,14 +251,17 @@ FAMILIES: dict[str, Callable[[bool], Setup]] = {
 
 
 # --- one family's row -----------------------------------------------------------------------
-def _has_fast_path(encoder: VAEEncoder) -> bool:
-    return type(encoder).optimize is not VAEEncoder.optimize
+def served_copy(family: str, ours: VAEEncoder) -> encoders.ServedEncoder:
+    """What the service serves for ``ours`` on this CPU with ``VAE_DTYPE=auto``."""
+    served = encoders.ServedEncoder(family, ours, ours, CPU, 1.0, False)
+    encoders.select(served, encoders.Policy("auto", MIN_COS, repeats=2))
+    return served
 
 
 @torch.inference_mode()
 def measure(family: str, quick: bool, repeats: int, skip_bf16: bool) -> dict:
     """Median seconds of every diffusers setting (or why skipped), of our exact encode and
-    of our fast copy; the fastest peer; the cosine of ours vs the first peer (fp32)."""
+    of the served copy; the fastest peer; the cosines of ours vs the first peer (fp32)."""
     setup = FAMILIES[family](quick)
     fns: dict[str, Encode] = {}
     peers: dict[str, float | str] = {}
@@ -265,11 +272,12 @@ def measure(family: str, quick: bool, repeats: int, skip_bf16: bool) -> dict:
             fns[setting] = make()
     others = {name: make() for name, make in setup.others.items()}
     ours = setup.ours
+    served = served_copy(family, ours)
+    active = served.active
     fns["service exact fp32"] = lambda: ours.moments(setup.x)
-    if _has_fast_path(ours):
-        fast = copy.deepcopy(ours)
-        fast.optimize()
-        fns["service fast fp32"] = lambda: fast.moments(setup.x)
+    if active is not ours:
+        x = setup.x.to(next(active.parameters()).dtype)
+        fns["service served"] = lambda: active.moments(x)
     fns.update(others)
     outputs = {name: fn().float() for name, fn in fns.items()}  # also the warm-ups
     times = common.interleaved(fns, CPU, repeats)
@@ -278,7 +286,7 @@ def measure(family: str, quick: bool, repeats: int, skip_bf16: bool) -> dict:
     peers.update(times)
     timed = {k: v for k, v in peers.items() if isinstance(v, float)}
     best = min(timed, key=timed.get)
-    ours_name = min(service, key=service.get)
+    ours_name = "service served" if "service served" in service else "service exact fp32"
     exact = outputs["service exact fp32"]
     reference = outputs[next(iter(setup.peers))]
     return {
@@ -289,35 +297,43 @@ def measure(family: str, quick: bool, repeats: int, skip_bf16: bool) -> dict:
         "best": best,
         "best_s": timed[best],
         "service": service,
-        "ours": ours_name,
+        "served": served.describe()["mode"],
+        "served_why": served.why,
+        "candidates": {str(c.mode): c.probe_seconds for c in served.candidates},
         "ours_s": service[ours_name],
         "ratio": timed[best] / service[ours_name],
         "cos": cosine(exact, reference),
-        "cos_fast": cosine(outputs["service fast fp32"], exact) if len(service) > 1 else None,
+        "cos_served": cosine(outputs[ours_name], exact),
     }
 
 
 def format_table(rows: list[dict]) -> str:
     lines = [
-        "| family | shape | peer's best | its s | ours (exact / fast) s | vs best "
-        "| cos exact vs peer fp32 | cos fast vs exact | peer settings measured |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| family | shape | peer's best | its s | ours exact s | served s (mode) | vs best "
+        "| cos exact vs peer fp32 | cos served vs exact | peer settings measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    notes = []
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['family']} | - | - | - | - | - | - | - | failed: {r['error']} |")
+            lines.append(
+                f"| {r['family']} | - | - | - | - | - | - | - | - | failed: {r['error']} |"
+            )
             continue
         settings = "; ".join(
             f"{k} {v:.2f} s" if isinstance(v, float) else f"{k} {v}"
             for k, v in {**r["peers"], **r["others"]}.items()
         )
-        ours = " / ".join(f"{v:.2f}" for v in r["service"].values())
-        fast = f"{r['cos_fast']:.7f}" if r["cos_fast"] is not None else "-"
         lines.append(
-            f"| {r['family']} | {r['shape']} | {r['best']} | {r['best_s']:.2f} | {ours} "
-            f"| {r['ratio']:.2f}x | {r['cos']:.7f} | {fast} | {settings} |"
+            f"| {r['family']} | {r['shape']} | {r['best']} | {r['best_s']:.2f} "
+            f"| {r['service']['service exact fp32']:.2f} | {r['ours_s']:.2f} ({r['served']}) "
+            f"| {r['ratio']:.2f}x | {r['cos']:.7f} | {r['cos_served']:.7f} | {settings} |"
         )
-    return "\n".join(lines)
+        probes = ", ".join(
+            f"{mode} {'-' if t is None else f'{t:.3f} s'}" for mode, t in r["candidates"].items()
+        )
+        notes.append(f"{r['family']}: served {r['served']} ({r['served_why']}); probe: {probes}")
+    return "\n".join(lines + [""] + notes)
 
 
 def run(args: argparse.Namespace) -> None:
