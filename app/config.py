@@ -32,6 +32,11 @@ class Settings(BaseSettings):
         description="measure the candidate modes before /readyz turns 200, or serve the exact "
         "path first and swap the winner in (auto: after on the CPU with VAE_DTYPE=auto)",
     )
+    gate_full: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="the gate's full-resolution check (the family's native size against a "
+        "float32 exact copy on the device; auto: on a GPU, where the device can hold it)",
+    )
     gate_repeats: int = Field(
         2, ge=1, description="timed decodes of the gate's probe per candidate mode (best kept)"
     )

@@ -146,7 +146,9 @@ def test_models_show_each_encoder(url):
     assert enc["parity_cosine"] >= 0.99999 and enc["fallback"] is False
     # VAE_DTYPE=float32 on the CPU: the exact encoder is the one candidate, measured
     assert enc["mode"] == "float32 exact" and enc["selection"] == "done"
-    assert enc["chosen_because"] == "the only candidate" and enc["candidates"][0]["probe_seconds"] > 0
+    assert (
+        enc["chosen_because"] == "the only candidate" and enc["candidates"][0]["probe_seconds"] > 0
+    )
     assert models["flux-dec"]["encoder"] is None
     assert models["ltx-tiny"]["encoder"]["video"] is True
 

@@ -179,3 +179,66 @@ def test_auto_orders_bf16_first_only_on_a_cpu_with_native_bf16(
     for c in described["candidates"]:
         if c["probe_seconds"] * selection.TIE < served["probe_seconds"]:
             assert not c["passed"], described["candidates"]
+
+
+class _WrongWhenLarge(family_module("taesd").Decoder):
+    """TAESD whose optimized copy is off by 0.25 on outputs above 256 px: a fast path that
+    only the native-resolution check can catch (the gate's probes are 128 px)."""
+
+    native_size = (384, 384)
+    optimized = False
+
+    def optimize(self) -> None:
+        self.optimized = True
+
+    def decode(self, z, **options):
+        out = super().decode(z, **options)
+        large = out.shape[-1] > 256
+        return out + 0.25 if self.optimized and large else out
+
+
+def _taesd(cls=None):
+    module = family_module("taesd")
+    reference = (cls or module.Decoder)(module.synthetic.TINY)
+    module.init_synthetic(reference, torch.Generator().manual_seed(0))
+    return reference.eval().requires_grad_(False)
+
+
+def test_the_full_resolution_check_decodes_the_native_size_against_float32():
+    reference = _taesd()
+    probes = gate.Probes(reference, full_on=torch.device("cpu"))
+    size = reference.native_size
+    assert tuple(probes.full.shape[-2:]) == (size[0] // 8, size[1] // 8)
+    fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.bfloat16))
+    report = gate.run(fast, probes)
+    full = next(c for c in report.checks if c.name == "full")
+    assert 0.9999 <= full.cosine < 1.0 and report.passed(0.9999)
+    assert "full" not in probes.check_names()  # made on the device, never stored
+
+
+def test_a_fast_path_wrong_only_at_full_resolution_fails_the_gate():
+    reference = _taesd(_WrongWhenLarge)
+    fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.float32))
+    assert gate.run(fast, gate.Probes(reference)).passed(0.9999)  # the probes miss it
+    report = gate.run(fast, gate.Probes(reference, full_on=torch.device("cpu")))
+    assert not report.passed(0.9999)
+    assert min(report.checks, key=lambda c: c.cosine).name == "full"
+
+
+def test_the_full_resolution_check_is_skipped_where_the_device_cannot_hold_it(monkeypatch):
+    monkeypatch.setattr(gate.devices, "memory_budget", lambda device, cap=0: 1 << 20)
+    reference = _taesd()
+    probes = gate.Probes(reference, full_on=torch.device("cpu"))
+    fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.bfloat16))
+    report = gate.run(fast, probes)
+    assert "full" not in {c.name for c in report.checks}
+    assert probes.full_skipped.startswith("needs ") and "GiB free" in probes.full_skipped
+
+
+def test_vae_gate_full_on_shows_the_check_in_models(flux_store):
+    runtime = _runtime(flux_store, dtype="bfloat16", gate_full="on")
+    model = runtime.models["flux-tiny"]
+    assert "full" in {c.name for c in model.gate.checks}
+    assert model.describe()["full_check"] == "run"
+    off = _runtime(flux_store, dtype="bfloat16", gate_full="off").models["flux-tiny"]
+    assert off.describe()["full_check"] == "off"

@@ -49,6 +49,10 @@ class VAEDecoder(nn.Module, ABC):
     # The family's CPU fast path opts its 3x3 convs of at most this many channels into
     # Winograd (``winograd.prepare``); 0: none. Wider convs keep the direct kernels.
     winograd_max_channels: ClassVar[int] = 0
+    # What samplers render with this family (pixels, H x W; video: latent frames too): the
+    # gate's full-resolution check (``full_latent``) decodes a latent of that size.
+    native_size: ClassVar[tuple[int, int]] = (1024, 1024)
+    native_latent_frames: ClassVar[int] = 3
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         # ``config`` None: a family's ``model.Architecture`` (first in the MRO) sets it
@@ -164,6 +168,16 @@ class VAEDecoder(nn.Module, ABC):
         if self.is_video:
             shape += (2,)
         return torch.randn(shape + (cells, cells), generator=generator)
+
+    def full_latent(self, generator: torch.Generator) -> Tensor:
+        """A seeded N(0,1) latent of the family's ``native_size`` (video: of
+        ``native_latent_frames`` frames), laid out as ``probe_latent``'s."""
+        shape = list(self.probe_latent(torch.Generator().manual_seed(0)).shape)
+        height, width = self.native_size
+        shape[-2:] = [height // self.spatial_scale, width // self.spatial_scale]
+        if len(shape) == 5:
+            shape[2] = self.native_latent_frames
+        return torch.randn(shape, generator=generator)
 
 
 def decode_chunks(decoder: VAEDecoder, z: Tensor, options: dict[str, Any]) -> Tensor:

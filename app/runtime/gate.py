@@ -2,7 +2,10 @@
 
 At startup both decode fixed, seeded N(0,1) probes through every way a request can be served:
 batch 1 as sent, a batch of 2 whose second latent goes through the model's de-normalization,
-and the tiled (banded) decode where the family has one, on a probe larger than one tile. Each
+and the tiled (banded) decode where the family has one, on a probe larger than one tile. With
+``VAE_GATE_FULL`` (auto: on a GPU) a ``full`` check decodes a latent of the family's native
+resolution (``full_latent``) and compares it with a float32 exact copy's output on the same
+device, where the device can hold that decode (else the check is skipped and says why). Each
 check reports the cosine of the two outputs (flattened, float64) and the PSNR of their uint8
 images; the gate passes when the lowest untiled cosine reaches ``VAE_PARITY_MIN_COS``, and a
 tiled decode runs on the gated copy only if the tiled check reached it too (else on the exact
@@ -19,6 +22,8 @@ from torch import Tensor
 
 from app.decoders.base import VAEDecoder
 from app.decoders.ops import cosine
+from app.runtime import device as devices
+from app.runtime import modes
 
 PROBE_SEED = 20261130
 
@@ -61,7 +66,9 @@ class Probes:
     """The probe latents and the reference's outputs for them (the same expected outputs gate
     every candidate mode): stored with the model (app/runtime/references.py), else computed."""
 
-    def __init__(self, reference: VAEDecoder) -> None:
+    def __init__(
+        self, reference: VAEDecoder, full_on: torch.device | None = None, memory_cap: int = 0
+    ) -> None:
         self.reference = reference
         gen = torch.Generator().manual_seed(PROBE_SEED)
         self.plain = reference.probe_latent(gen)
@@ -73,9 +80,17 @@ class Probes:
             else None
         )
         self._expected: dict[str, Tensor] = {}
+        # the full-resolution check: computed on the serving device at the gate, never stored
+        self.full_on, self.memory_cap = full_on, memory_cap
+        self.full = None
+        if full_on is not None:
+            self.full = reference.full_latent(torch.Generator().manual_seed(PROBE_SEED + 2))
+        self.full_skipped = ""  # why the full-resolution check did not run
+        self._full_expected: Tensor | None = None
 
     def check_names(self) -> list[str]:
-        """The reference outputs the gate compares with."""
+        """The stored reference outputs the gate compares with (``full`` is made on the
+        serving device)."""
         return ["plain", "denormalized"] + (["tiled"] if self.tiled is not None else [])
 
     def spec(self) -> dict:
@@ -101,13 +116,43 @@ class Probes:
                 self._expected[name] = self.reference.decode(z, **options)
         return self._expected[name]
 
+    def expected_full(self) -> Tensor | None:
+        """A float32 exact copy's decode of ``full`` on the serving device (made once, the
+        copy freed after), or None where the device cannot hold that decode."""
+        if self._full_expected is not None or self.full is None or self.full_skipped:
+            return self._full_expected
+        device, reference = self.full_on, self.reference
+        weights = sum(p.numel() * 4 for p in reference.parameters())
+        needed = weights + reference.working_bytes(tuple(self.full.shape), 4)
+        budget = devices.memory_budget(device, self.memory_cap)
+        if budget is not None and needed > budget:
+            self.full_skipped = f"needs {needed / 2**30:.1f} GiB, {budget / 2**30:.1f} GiB free"
+            return None
+        exact = modes.build(reference, device, modes.Mode(torch.float32, optimized=False))
+        z, options = self.full.to(device), _untiled(reference)
+        try:
+            with torch.inference_mode():
+                self._full_expected = exact.decode(z, **options).float().cpu()
+        except Exception as exc:
+            if not devices.is_oom(exc):
+                raise
+            self.full_skipped = f"out of memory on {device.type}"
+        finally:
+            del exact
+            devices.release_cached(device)
+        return self._full_expected
+
     def inputs(self, name: str, decoder: VAEDecoder) -> tuple[Tensor, dict]:
         """(latent, options) of one check, for the reference (single) or the fast copy."""
         if name == "denormalized":
             return decoder.denormalize(self.second.float()), {}
         if name == "tiled":
             return self.tiled, {"tiled": True}
-        return self.plain, {"tiled": False} if decoder.supports_tiling else {}
+        return self.plain, _untiled(decoder)
+
+
+def _untiled(decoder: VAEDecoder) -> dict:
+    return {"tiled": False} if decoder.supports_tiling else {}
 
 
 @torch.inference_mode()
@@ -142,6 +187,10 @@ def run(fast: VAEDecoder, probes: Probes, single: Tensor | None = None) -> GateR
     if probes.tiled is not None:
         got = fast.decode(probes.tiled.to(device), tiled=True)
         report.checks.append(_check("tiled", fast, got, probes.expected("tiled")))
+    expected = probes.expected_full()
+    if expected is not None:
+        got = fast.decode(probes.full.to(device), **_untiled(fast))
+        report.checks.append(_check("full", fast, got, expected))
     return report
 
 

@@ -110,6 +110,7 @@ class ServedModel:
     # tiled decodes run on the fast copy only if its gate's tiled check passed
     tiled_gated: bool = True
     tiled_probe_tiles: bool | None = None  # the tiled check's probe is larger than one tile
+    full_check: str = "off"  # the full-resolution check: off, run, or why it was skipped
     reference_status: str = ""  # the stored gate reference: valid, missing, stale, tampered
     state: ModelState | None = None
 
@@ -164,6 +165,7 @@ class ServedModel:
             "chosen_because": self.chosen_because,
             "tiled_gated": self.tiled_gated,
             "tiled_probe_tiles": self.tiled_probe_tiles,
+            "full_check": self.full_check,
             "gate_reference": self.reference_status or None,
             **(self.state.describe() if self.state else {}),
         }
@@ -214,6 +216,12 @@ class Registry:
                     self.errors[name] = str(exc)
                     state.enter("failed", str(exc))
                     log.error("model %s not served: %s", name, exc)
+
+    def _full_on(self) -> torch.device | None:
+        """Where the gate's full-resolution check runs (``VAE_GATE_FULL``), or None."""
+        setting = self.settings.gate_full
+        on = setting == "on" or (setting == "auto" and self.device.type == "cuda")
+        return self.device if on else None
 
     def select_after_ready(self) -> bool:
         """``VAE_SELECT=auto``: on the CPU with ``VAE_DTYPE=auto`` the exact path serves first
@@ -284,7 +292,7 @@ class Registry:
         with state.phase("build"):
             reference = decoder.float() if _has_non_float32(decoder) else decoder
             timing.instrument(reference.stages())
-            probes = gate.Probes(reference)
+            probes = gate.Probes(reference, self._full_on(), self.settings.device_memory_bytes())
             stored, status = references.read(folder, references.reference_key(manifest, probes))
             if stored is not None and set(stored) == set(probes.check_names()):
                 probes.set_expected(stored)
@@ -352,6 +360,7 @@ class Registry:
             chosen_because=chosen.why,
             tiled_gated=bool(tiled_gated),
             tiled_probe_tiles=True if entry.probes.tiled is not None else None,
+            full_check=_full_check(entry.probes, report),
             reference_status=entry.status,
             state=self.states[name],
         )
@@ -380,3 +389,11 @@ def _verify(folder: Path, name: str) -> None:
 
 def _has_non_float32(module: torch.nn.Module) -> bool:
     return any(p.dtype != torch.float32 for p in module.parameters())
+
+
+def _full_check(probes: gate.Probes, report: gate.GateReport) -> str:
+    if probes.full is None:
+        return "off"
+    if any(c.name == "full" for c in report.checks):
+        return "run"
+    return f"skipped: {probes.full_skipped}" if probes.full_skipped else "not run"

@@ -32,6 +32,7 @@ class Decoder(Architecture, VAEDecoder):
     family = "hunyuan-video"
     output_space = "signed"
     is_video = True
+    native_size = (720, 1280)
     supports_tiling = True
     winograd_max_channels = 256  # CPU fast path: the 512-channel convs keep direct kernels
 

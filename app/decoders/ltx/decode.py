@@ -56,6 +56,7 @@ class Decoder(Architecture, VAEDecoder):
     family = "ltx"
     output_space = "signed"
     is_video = True
+    native_size = (512, 768)  # LTX-Video 0.9.x (LTX-2 renders larger)
     supports_tiling = True  # blended spatial tiles: approximate, never on by default
     winograd_max_channels = 256  # CPU fast path: the 512/1024-channel convs stay direct
 

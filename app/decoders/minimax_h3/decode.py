@@ -58,6 +58,7 @@ class Decoder(Architecture, VAEDecoder):
     family = "minimax-h3"
     output_space = "imagenet"
     is_video = True  # the image variant shadows it per instance
+    native_size = (768, 1344)
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__(config)

@@ -52,6 +52,7 @@ class Decoder(Architecture, VAEDecoder):
     family = "wan"
     output_space = "signed"
     is_video = True
+    native_size = (480, 832)
     supports_tiling = True
 
     def __init__(self, config: dict[str, Any]) -> None:
