@@ -73,7 +73,7 @@ def test_a_candidate_below_the_gate_is_not_served():
     assert served.describe()["dtype"] == "float32"
 
 
-def test_the_exact_encoder_serves_until_selected_after_ready(tmp_path):
+def _store(folder):
     from app.decoders import family_module
     from app.store import write_model
 
@@ -81,15 +81,34 @@ def test_the_exact_encoder_serves_until_selected_after_ready(tmp_path):
     encoder = _served().reference
     decoder = family_module("taesd").Decoder(config)
     write_model(
-        tmp_path, "t", "taesd", config, decoder.state_dict(), "test",
+        folder, "t", "taesd", config, decoder.state_dict(), "test",
         encoder_state=encoder.state_dict(),
     )  # fmt: skip
+    return folder
+
+
+def test_the_exact_encoder_serves_until_selected_after_ready(tmp_path):
     policy = encoders.Policy("auto", min_cos=0.999, repeats=1, after_ready=True)
-    loaded = encoders.load_one(tmp_path, "t", CPU, policy)
+    loaded = encoders.load_one(_store(tmp_path), "t", CPU, policy)
     assert loaded.selection == "pending" and loaded.active is loaded.reference
     assert loaded.describe()["mode"] == "float32 exact"
     encoders.select(loaded, policy)
     assert loaded.selection == "done" and len(loaded.candidates) >= 2
+
+
+def test_the_runtime_measures_its_encoders_after_ready(tmp_path):
+    from app.config import Settings
+    from app.metrics import Metrics
+    from app.runtime import Runtime
+
+    settings = Settings(models_dir=_store(tmp_path), models="t", select="after_ready")
+    runtime = Runtime(settings, Metrics())
+    runtime.load_all()
+    served = runtime.encoders["t"]
+    assert served.selection == "done" and {str(c.mode) for c in served.candidates} >= {
+        "float32 exact"
+    }
+    assert served.describe()["chosen_because"]
 
 
 def _request(x):
