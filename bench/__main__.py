@@ -18,6 +18,7 @@ BENCHES = {
     "startup": "bench.startup",
     "taesd": "bench.taesd",
     "wan": "bench.wan",
+    "winograd-bf16": "bench.winograd_bf16",
 }
 
 
