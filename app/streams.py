@@ -52,6 +52,7 @@ class Mp4Stream:
         self._lock = threading.Lock()
         self._closed = False
         self._reason = ""  # why close() ended it early, when it did
+        self.finished = False  # ffmpeg wrote the whole MP4 (a closed body just stops)
         self._body: Generator[bytes, None, None] | None = None
         # "encode" is ffmpeg's share alone: the waits for decoded frames (the decoder's own
         # phases) and for the client to read (suspended at yield) are taken out.
@@ -72,6 +73,7 @@ class Mp4Stream:
                 t0 = time.perf_counter()
                 yield data
                 self._elsewhere += time.perf_counter() - t0
+            self.finished = True
         except Exception as exc:  # the decode failed or the stream was dropped midway
             raise StreamAborted(self._reason or str(exc)) from exc
         finally:
@@ -96,6 +98,10 @@ class Mp4Stream:
             closed = self._closed
         if closed:  # the response ended while ffmpeg was starting
             reap(proc)
+
+    @property
+    def reason(self) -> str:
+        return self._reason
 
     def close(self, reason: str = "") -> None:
         """End everything the stream holds: stop the worker, kill and reap ffmpeg (the body's

@@ -276,6 +276,40 @@ def encoder_pids(server_pid: int) -> list[int]:
     return pids
 
 
+def test_a_stream_closed_midway_never_ends_its_body_cleanly():
+    """``Mp4Stream.close`` (a shutdown's cut) while the response waits for more bytes: the
+    body must end with ``StreamAborted`` (the server then leaves out the terminating chunk),
+    not as if the MP4 were whole."""
+    import asyncio
+
+    from app.http.mp4 import JobStream
+    from app.runtime.channel import FrameChannel
+    from app.runtime.scheduler import Job
+    from app.streams import Mp4Stream, StreamAborted
+    from app.timing import PhaseTimer
+
+    channel = FrameChannel(1 << 30, 30.0)
+    job = Job(model=None, request=None, timer=PhaseTimer(), channel=channel)
+    frames = torch.randint(0, 255, (48, 64, 64, 3), dtype=torch.uint8)
+    channel.put(frames)  # the decode goes on: the channel is never closed
+    response = JobStream(Mp4Stream(job, 24.0), stall_s=10)
+
+    async def read() -> tuple[int, BaseException | None]:
+        body = response.body_iterator.__aiter__()
+        sent = len(await body.__anext__())
+        response.stream.close("shutting down")
+        try:
+            async for chunk in body:
+                sent += len(chunk)
+        except StreamAborted as exc:
+            return sent, exc
+        return sent, None
+
+    sent, error = asyncio.run(read())
+    assert sent > 0 and isinstance(error, StreamAborted), sent
+    assert not ffmpeg_children()
+
+
 def test_a_shutdown_ends_the_stalled_streams_encoders(store, tmp_path):
     """SIGTERM while two streams stall: once the drain grace runs out and the process exits,
     none of their ffmpeg is left running (orphaned to init)."""

@@ -40,6 +40,8 @@ class JobStream(StreamingResponse):
         async for chunk in body:
             self.sent += len(chunk)
             yield chunk
+        if not self.stream.finished:  # closed midway (a shutdown's cut, a drop): no clean end
+            raise StreamAborted(self.stream.reason or "the stream was closed before its end")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = scope["app"].state.settings
