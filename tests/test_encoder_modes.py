@@ -65,6 +65,26 @@ def test_a_bf16_copy_serves_at_parity_and_takes_float32_pixels():
     assert cosine(got, served.reference.encode(x)) >= 0.9999
 
 
+class WrongInBatches(TAESD.Encoder):
+    """TAESD whose bf16 copy is off on every batch row but the first: only the gate's batch
+    of 2 can see it (a micro-batched request would get it)."""
+
+    def moments(self, x, **options):
+        out = super().moments(x, **options)
+        if next(self.parameters()).dtype == torch.bfloat16 and out.shape[0] > 1:
+            out = out.clone()
+            out[1:] += 0.5
+        return out
+
+
+def test_a_copy_wrong_only_in_a_batch_fails_the_gate():
+    served = _served(WrongInBatches)
+    encoders.select(served, encoders.Policy("auto", min_cos=0.9999, repeats=1))
+    assert served.mode.dtype == torch.float32, served.describe()
+    bf16 = next(c for c in served.candidates if c.mode.dtype == torch.bfloat16)
+    assert bf16.cosine < 0.99
+
+
 def test_a_candidate_below_the_gate_is_not_served():
     served = _served()
     encoders.select(served, encoders.Policy("bfloat16", min_cos=0.9999999, repeats=1))
