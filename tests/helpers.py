@@ -1,5 +1,6 @@
 """What the parity and HTTP tests share: seeded latents, cosine, PSNR, a parity check,
-diffusers references with seeded weights and our decoders loaded from them, MP4 frames.
+diffusers references with seeded weights and our decoders and encoders loaded from them, the
+checks every video encoder family passes, MP4 frames.
 
 Computed here, independently of ``app`` (a test must not grade the code with its own ruler):
 a family module is passed in by the test that checks it.
@@ -117,6 +118,112 @@ def synthetic_twins(family: ModuleType, config: dict, seed: int) -> tuple[nn.Mod
     pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
     assert all(torch.equal(x, y) for x, y in pairs)
     return a, b
+
+
+def listed(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with its tuples as lists, as JSON (and so a store manifest) keeps them."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+
+
+# --- video encoders: ours against diffusers' ``encode`` -------------------------------------
+ENCODER_PARTS = ("encoder.", "quant_conv.")  # a diffusers VAE's encoder half
+
+
+def encoder_from(family: ModuleType, config: dict, state: dict[str, torch.Tensor]) -> nn.Module:
+    """``family.Encoder`` holding ``state``; its config goes through JSON first, as a store
+    manifest keeps it."""
+    ours = family.Encoder(json.loads(json.dumps(config))).eval()
+    ours.load_state_dict(state)
+    return ours
+
+
+def encoder_pair(
+    family: ModuleType, ref: nn.Module, config: dict, parts: tuple[str, ...] = ENCODER_PARTS
+) -> tuple[nn.Module, nn.Module]:
+    """(``ref``, ``family.Encoder(config)`` holding ``ref``'s tensors under ``parts``)."""
+    state = {k: v for k, v in ref.state_dict().items() if k.startswith(parts)}
+    return ref, encoder_from(family, config, state)
+
+
+def rgb_video(frames: int, h: int, w: int, batch: int = 1) -> torch.Tensor:
+    """A uniform [-1, 1) RGB video ``[batch, 3, frames, h, w]``, seeded by its shape."""
+    g = torch.Generator().manual_seed(frames * 1000 + h + w)
+    return torch.rand((batch, 3, frames, h, w), generator=g) * 2 - 1
+
+
+def reference_dist(ref: Any, x: torch.Tensor) -> Any:
+    """diffusers' ``encode(x).latent_dist`` (its moments are ``.parameters``)."""
+    with torch.no_grad():
+        return ref.encode(x).latent_dist
+
+
+def check_moments(name: str, got: torch.Tensor, ref_dist: Any) -> None:
+    """Our moments ``got`` are ``ref_dist``'s (shape, cosine of the moments and of the mean)."""
+    expected = ref_dist.parameters
+    assert got.shape == expected.shape
+    assert report(f"{name} moments", got, expected) >= 0.99999
+    assert report(f"{name} mean", got.chunk(2, dim=1)[0], ref_dist.mean) >= 0.99999
+
+
+def check_encode(
+    name: str, ref: Any, ours: nn.Module, shape: tuple[int, int, int], **options: Any
+) -> None:
+    """``ours.moments`` of a ``(frames, h, w)`` video (a batch of 2 for one frame) with
+    ``options`` against ``ref``'s encode, and the latent geometry ``ours`` announces."""
+    x = rgb_video(*shape, batch=2 if shape[0] == 1 else 1)
+    got = ours.moments(x, **options)
+    check_moments(name, got, reference_dist(ref, x))
+    assert got.shape[2] == ours.latent_frames(shape[0])
+    assert got.shape[-1] * ours.spatial_scale == shape[-1]
+
+
+def tile_reference(ref: Any, size: int, stride: int, **more: int) -> None:
+    """diffusers' ``enable_tiling`` with square ``size``-pixel tiles every ``stride`` pixels."""
+    ref.enable_tiling(
+        tile_sample_min_height=size,
+        tile_sample_min_width=size,
+        tile_sample_stride_height=stride,
+        tile_sample_stride_width=stride,
+        **more,
+    )
+
+
+def check_synthetic_encoder(family: ModuleType, name: str) -> None:
+    """``family.SYNTHETIC[name]`` after ``init_synthetic``: moments of the announced shape,
+    finite and of a trained-like spread on the encoder's own probe input."""
+    enc = family.Encoder(family.SYNTHETIC[name]).eval()
+    family.init_synthetic(enc, torch.Generator().manual_seed(0))
+    x = enc.probe_input(torch.Generator().manual_seed(1))
+    m = enc.moments(x)
+    assert m.shape[1] == 2 * enc.latent_channels
+    assert m.shape[2] == enc.latent_frames(x.shape[2])
+    assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+
+
+def check_working_bytes(family: ModuleType, config: dict, shape: tuple[int, ...]) -> None:
+    """The memory plan's estimate against the peak live tensor bytes of an encode of
+    ``config`` (``{}``: the published architecture), measured on the meta device: enough,
+    and not wildly more."""
+    from bench.meta_memory import live_peak
+
+    with torch.device("meta"):
+        enc = family.Encoder(config).eval()
+    x = torch.empty(shape, device="meta")
+    peak = live_peak(lambda: enc.moments(x))
+    estimate = enc.working_bytes(shape, 4)
+    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
+    assert peak <= estimate <= 1.5 * peak
+
+
+def check_bad_input_refused(family: ModuleType) -> None:
+    """A frame size off the encoder's spatial cell, or the wrong channel count: a
+    ``ValueError`` that says so."""
+    enc = family.Encoder(family.SYNTHETIC[next(iter(family.SYNTHETIC))]).eval()
+    s = enc.spatial_scale
+    with pytest.raises(ValueError, match="multiples of"):
+        enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
+    with pytest.raises(ValueError, match="expected"):
+        enc.moments(torch.zeros(1, 4, 1, s, s))
 
 
 # --- videos ---------------------------------------------------------------------------------

@@ -9,7 +9,21 @@ import torch
 from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 
 from app.encoders import wan
-from tests.helpers import report, saved, seeded
+from tests.helpers import (
+    ENCODER_PARTS,
+    check_bad_input_refused,
+    check_encode,
+    check_moments,
+    check_synthetic_encoder,
+    check_working_bytes,
+    encoder_from,
+    encoder_pair,
+    reference_dist,
+    rgb_video,
+    saved,
+    seeded,
+    tile_reference,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,22 +124,7 @@ def make_pair(name: str):
         config["spatial_compression_ratio"] = 2 ** len(kwargs["temperal_downsample"])
     elif "scale_factor_spatial" in kwargs:
         config["spatial_compression_ratio"] = kwargs["scale_factor_spatial"]
-    ours = wan.Encoder(config).eval()
-    state = {k: v for k, v in ref.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
-    ours.load_state_dict(state)
-    return ref, ours
-
-
-def clip(frames: int, h: int, w: int, batch: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(frames * 1000 + h + w)
-    return torch.rand((batch, 3, frames, h, w), generator=g) * 2 - 1
-
-
-def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
-    expected = ref_dist.parameters
-    assert got.shape == expected.shape
-    assert report(f"{name} moments", got, expected) >= 0.99999
-    assert report(f"{name} mean", got.chunk(2, dim=1)[0], ref_dist.mean) >= 0.99999
+    return encoder_pair(wan, ref, config)
 
 
 @pytest.mark.parametrize(
@@ -141,21 +140,14 @@ def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
     ],
 )
 def test_encode_matches_diffusers(name, shape, chunk):
-    ref, ours = make_pair(name)
-    x = clip(*shape, batch=2 if shape[0] == 1 else 1)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    got = ours.moments(x, chunk_frames=chunk)
-    check_moments(f"{name} {shape} chunk={chunk}", got, expected)
-    assert got.shape[2] == ours.latent_frames(shape[0])
-    assert got.shape[-1] * ours.spatial_scale == shape[-1]
+    check_encode(f"{name} {shape} chunk={chunk}", *make_pair(name), shape, chunk_frames=chunk)
 
 
 @pytest.mark.parametrize("name", ["wan2.1", "wan2.2"])
 def test_chunkings_agree(name):
     """Whole clip, 4-frame and 8-frame chunks: the same stream."""
     _, ours = make_pair(name)
-    x = clip(17, 32, 32)
+    x = rgb_video(17, 32, 32)
     whole = ours.moments(x, chunk_frames=0)
     for chunk in (4, 8):
         torch.testing.assert_close(ours.moments(x, chunk_frames=chunk), whole, rtol=0, atol=2e-6)
@@ -169,17 +161,10 @@ def test_chunkings_agree(name):
 )
 def test_tiled_matches_diffusers(name, size, stride, hw):
     ref, ours = make_pair(name)
-    ref.enable_tiling(
-        tile_sample_min_height=size,
-        tile_sample_min_width=size,
-        tile_sample_stride_height=stride,
-        tile_sample_stride_width=stride,
-    )
-    x = clip(5, *hw)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
+    tile_reference(ref, size, stride)
+    x = rgb_video(5, *hw)
     got = ours.moments(x, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
-    check_moments(f"{name} tiled", got, expected)
+    check_moments(f"{name} tiled", got, reference_dist(ref, x))
     assert not torch.allclose(ours.moments(x), got)
 
 
@@ -191,7 +176,7 @@ def test_attention_in_down_stages_refused():
 
 def test_image_input_and_normalize():
     _, ours = make_pair("qwen-image")
-    x = clip(1, 16, 16)
+    x = rgb_video(1, 16, 16)
     torch.testing.assert_close(ours.moments(x[:, :, 0]), ours.moments(x)[:, :, 0])
     enc = wan.Encoder({**ours.config, "latents_mean": [1.0] * 4, "latents_std": [4.0] * 4})
     z = torch.randn(1, 4, 2, 2, 2)
@@ -203,9 +188,8 @@ def test_convert_diffusers_folder(tmp_path, name):
     ref, ours = make_pair(name)
     config, state = wan.convert(saved(ref, tmp_path / "vae"))
     assert config["variant"] == name
-    loaded = wan.Encoder(config).eval()
-    loaded.load_state_dict(state)
-    x = clip(5, 32, 32)
+    loaded = encoder_from(wan, config, state)
+    x = rgb_video(5, 32, 32)
     torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
     assert (
         loaded.normalize(torch.ones(1, ours.latent_channels, 1, 1, 1)).shape[1]
@@ -215,13 +199,7 @@ def test_convert_diffusers_folder(tmp_path, name):
 
 @pytest.mark.parametrize("name", list(wan.SYNTHETIC))
 def test_synthetic_weights(name):
-    enc = wan.Encoder(wan.SYNTHETIC[name]).eval()
-    wan.init_synthetic(enc, torch.Generator().manual_seed(0))
-    x = enc.probe_input(torch.Generator().manual_seed(1))
-    m = enc.moments(x)
-    assert m.shape[1] == 2 * enc.latent_channels
-    assert m.shape[2] == enc.latent_frames(x.shape[2])
-    assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+    check_synthetic_encoder(wan, name)
 
 
 # --- original single files -------------------------------------------------------------------
@@ -276,7 +254,7 @@ def test_original_layout_writer_is_diffusers_own():
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
     ref, _ = make_pair("wan2.1-deep")
-    state = {k: v for k, v in ref.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
+    state = {k: v for k, v in ref.state_dict().items() if k.startswith(ENCODER_PARTS)}
     original = original_layout(state)
     original.pop("decoder.conv1.weight")
     theirs = convert_wan_vae_to_diffusers(original)
@@ -303,12 +281,9 @@ def test_convert_original_single_file(tmp_path, name, suffix):
     config, loaded_state = wan.convert(path)
     assert config["variant"] == name.split("-")[0]
     assert config["latents_std"][0] != 1.0  # the published statistics
-    loaded = wan.Encoder(config).eval()
-    loaded.load_state_dict(loaded_state)
-    x = clip(5, 32, 32)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    check_moments(f"{name} original file", loaded.moments(x), expected)
+    loaded = encoder_from(wan, config, loaded_state)
+    x = rgb_video(5, 32, 32)
+    check_moments(f"{name} original file", loaded.moments(x), reference_dist(ref, x))
 
 
 def test_original_file_without_published_statistics_refused(tmp_path):
@@ -327,23 +302,8 @@ def test_original_file_without_published_statistics_refused(tmp_path):
     ],
 )
 def test_working_bytes_cover_the_measured_peak(config, shape):
-    """The memory plan's estimate against the peak live tensor bytes of an encode of the
-    published architecture, measured on the meta device: enough, and not wildly more."""
-    from bench.meta_memory import live_peak
-
-    with torch.device("meta"):
-        enc = wan.Encoder(config).eval()
-    x = torch.empty(shape, device="meta")
-    peak = live_peak(lambda: enc.moments(x))
-    estimate = enc.working_bytes(shape, 4)
-    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
-    assert peak <= estimate <= 1.5 * peak
+    check_working_bytes(wan, config, shape)
 
 
 def test_bad_input_is_a_value_error():
-    enc = wan.Encoder(wan.SYNTHETIC[next(iter(wan.SYNTHETIC))]).eval()
-    s = enc.spatial_scale
-    with pytest.raises(ValueError, match="multiples of"):
-        enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
-    with pytest.raises(ValueError, match="expected"):
-        enc.moments(torch.zeros(1, 4, 1, s, s))
+    check_bad_input_refused(wan)
