@@ -11,21 +11,8 @@ import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
 from app.encoders import hunyuan_video
-from tests.helpers import (
-    check_bad_input_refused,
-    check_encode,
-    check_moments,
-    check_synthetic_encoder,
-    check_working_bytes,
-    encoder_from,
-    encoder_pair,
-    listed,
-    reference_dist,
-    rgb_video,
-    saved,
-    seeded,
-    tile_reference,
-)
+from tests import helpers
+from tests.helpers import check_moments, reference_dist, rgb_video
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,7 +38,8 @@ VARIANTS = {
 
 def make_pair(name: str):
     kwargs = VARIANTS[name]
-    return encoder_pair(hunyuan_video, seeded(AutoencoderKLHunyuanVideo, **kwargs), listed(kwargs))
+    ref = helpers.seeded(AutoencoderKLHunyuanVideo, **kwargs)
+    return helpers.encoder_pair(hunyuan_video, ref, helpers.listed(kwargs))
 
 
 @pytest.mark.parametrize(
@@ -59,7 +47,7 @@ def make_pair(name: str):
 )
 def test_encode_matches_diffusers(name, shape):
     """21 frames: the reference's default 17-frame windows every 12 frames."""
-    check_encode(f"{name} {shape}", *make_pair(name), shape)
+    helpers.check_encode(f"{name} {shape}", *make_pair(name), shape)
 
 
 @pytest.mark.parametrize("hw", [(8, 8), (40, 48)])
@@ -69,7 +57,9 @@ def test_windows_and_tiles_match_diffusers(hw):
     opts = dict(
         tile_sample_frames=8, tile_sample_frame_stride=4, tile_sample_size=32, tile_sample_stride=16
     )
-    tile_reference(ref, 32, 16, tile_sample_min_num_frames=8, tile_sample_stride_num_frames=4)
+    helpers.tile_reference(
+        ref, 32, 16, tile_sample_min_num_frames=8, tile_sample_stride_num_frames=4
+    )
     x = rgb_video(13, *hw)
     got = ours.moments(x, tiled=True, **opts)
     check_moments(f"t4 windows+tiles {hw}", got, reference_dist(ref, x))
@@ -79,7 +69,7 @@ def test_windows_and_tiles_match_diffusers(hw):
 
 def test_tiles_only_match_diffusers():
     ref, ours = make_pair("s4")
-    tile_reference(ref, 16, 8)
+    helpers.tile_reference(ref, 16, 8)
     x = rgb_video(9, 24, 32)
     got = ours.moments(x, tiled=True, tile_sample_size=16, tile_sample_stride=8)
     check_moments("s4 tiles", got, reference_dist(ref, x))
@@ -95,14 +85,16 @@ def test_normalize_and_convert(tmp_path):
     ref, ours = make_pair("t4")
     z = torch.randn(1, 4, 2, 2, 2)
     torch.testing.assert_close(ours.normalize(z), z * 0.476986)
-    loaded = encoder_from(hunyuan_video, *hunyuan_video.convert(saved(ref, tmp_path / "vae")))
+    loaded = helpers.encoder_from(
+        hunyuan_video, *hunyuan_video.convert(helpers.saved(ref, tmp_path / "vae"))
+    )
     x = rgb_video(5, 16, 16)
     torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", list(hunyuan_video.SYNTHETIC))
 def test_synthetic_weights(name):
-    check_synthetic_encoder(hunyuan_video, name)
+    helpers.check_synthetic_encoder(hunyuan_video, name)
 
 
 # --- original checkpoints ------------------------------------------------------------------------
@@ -138,7 +130,7 @@ def test_convert_original_checkpoint(tmp_path, as_folder):
     config = {**original_config(ref), "spatial_compression_ratio": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
     source = tmp_path if as_folder else tmp_path / "pytorch_model.pt"
-    enc = encoder_from(hunyuan_video, *hunyuan_video.convert(source))
+    enc = helpers.encoder_from(hunyuan_video, *hunyuan_video.convert(source))
     x = rgb_video(5, 16, 16)
     check_moments("s4 original", enc.moments(x), reference_dist(ref, x))
 
@@ -147,7 +139,7 @@ def test_convert_single_file_without_config(tmp_path):
     """A lone repack: the config from the shapes and the published values (32 groups)."""
     from safetensors.torch import save_file
 
-    ref = seeded(
+    ref = helpers.seeded(
         AutoencoderKLHunyuanVideo,
         block_out_channels=(32, 32, 64, 64),
         layers_per_block=1,
@@ -157,7 +149,7 @@ def test_convert_single_file_without_config(tmp_path):
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
     config, state = hunyuan_video.convert(path)
     assert config["block_out_channels"] == [32, 32, 64, 64] and config["norm_num_groups"] == 32
-    enc = encoder_from(hunyuan_video, config, state)
+    enc = helpers.encoder_from(hunyuan_video, config, state)
     x = rgb_video(5, 16, 16)
     check_moments("repack", enc.moments(x), reference_dist(ref, x))
 
@@ -174,8 +166,8 @@ def test_decoder_only_checkpoint_refused(tmp_path):
 
 @pytest.mark.parametrize("config,shape", [({}, (1, 3, 17, 256, 256)), ({}, (1, 3, 9, 128, 256))])
 def test_working_bytes_cover_the_measured_peak(config, shape):
-    check_working_bytes(hunyuan_video, config, shape)
+    helpers.check_working_bytes(hunyuan_video, config, shape)
 
 
 def test_bad_input_is_a_value_error():
-    check_bad_input_refused(hunyuan_video)
+    helpers.check_bad_input_refused(hunyuan_video)

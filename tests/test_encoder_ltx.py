@@ -10,21 +10,8 @@ import torch
 from diffusers import AutoencoderKLLTX2Video, AutoencoderKLLTXVideo
 
 from app.encoders import ltx
-from tests.helpers import (
-    check_bad_input_refused,
-    check_encode,
-    check_moments,
-    check_synthetic_encoder,
-    check_working_bytes,
-    encoder_from,
-    encoder_pair,
-    listed,
-    reference_dist,
-    rgb_video,
-    saved,
-    seeded,
-    tile_reference,
-)
+from tests import helpers
+from tests.helpers import check_moments, reference_dist, rgb_video
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,14 +73,18 @@ LTX2_VARIANTS = {
 def make_pair(name: str, **extra):
     if name in LTX2_VARIANTS:
         kwargs = {**LTX2_VARIANTS[name], **extra}
-        ref = seeded(AutoencoderKLLTX2Video, latent_channels=LATENT, **LTX2_DECODER, **kwargs)
+        ref = helpers.seeded(
+            AutoencoderKLLTX2Video, latent_channels=LATENT, **LTX2_DECODER, **kwargs
+        )
         config = {"version": "ltx2"}
     else:
         kwargs = {**VARIANTS[name], **extra}
-        ref = seeded(AutoencoderKLLTXVideo, latent_channels=LATENT, **DECODER, **kwargs)
+        ref = helpers.seeded(AutoencoderKLLTXVideo, latent_channels=LATENT, **DECODER, **kwargs)
         config = {}
-    config.update(listed(kwargs))
-    return encoder_pair(ltx, ref, {"latent_channels": LATENT, **config}, parts=("encoder.",))
+    config.update(helpers.listed(kwargs))
+    return helpers.encoder_pair(
+        ltx, ref, {"latent_channels": LATENT, **config}, parts=("encoder.",)
+    )
 
 
 @pytest.mark.parametrize(
@@ -107,7 +98,7 @@ def make_pair(name: str, **extra):
     ],
 )
 def test_encode_matches_diffusers(name, shape):
-    check_encode(f"{name} {shape}", *make_pair(name), shape)
+    helpers.check_encode(f"{name} {shape}", *make_pair(name), shape)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +107,7 @@ def test_encode_matches_diffusers(name, shape):
 def test_tiled_matches_diffusers(name, size, stride, hw):
     """diffusers' enable_tiling path: overlapping tiles, a partial last row and column."""
     ref, ours = make_pair(name)
-    tile_reference(ref, size, stride)
+    helpers.tile_reference(ref, size, stride)
     x = rgb_video(9, *hw)
     got = ours.moments(x, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
     check_moments(f"{name} tiled", got, reference_dist(ref, x))
@@ -170,23 +161,23 @@ def test_image_input_and_normalize():
 
 def test_convert_diffusers_folder(tmp_path):
     ref, ours = make_pair("ltx2-reflect")
-    config, state = ltx.convert(saved(ref, tmp_path / "vae"))
+    config, state = ltx.convert(helpers.saved(ref, tmp_path / "vae"))
     assert config["version"] == "ltx2"
-    loaded = encoder_from(ltx, config, state)
+    loaded = helpers.encoder_from(ltx, config, state)
     x = rgb_video(9, 32, 32)
     torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", list(ltx.SYNTHETIC))
 def test_synthetic_weights(name):
-    check_synthetic_encoder(ltx, name)
+    helpers.check_synthetic_encoder(ltx, name)
 
 
 @pytest.mark.parametrize(
     "config,shape", [({}, (1, 3, 17, 256, 256)), ({"version": "ltx2"}, (1, 3, 9, 256, 384))]
 )
 def test_working_bytes_cover_the_measured_peak(config, shape):
-    check_working_bytes(ltx, config, shape)
+    helpers.check_working_bytes(ltx, config, shape)
 
 
 # --- Lightricks single files -----------------------------------------------------------------
@@ -247,7 +238,7 @@ def test_convert_lightricks_single_file(tmp_path, name):
               metadata={"config": json.dumps({"vae": causal})})  # fmt: skip
     config, state = ltx.convert(path)
     assert config["latents_std"][-1] == 2.0
-    loaded = encoder_from(ltx, config, state)
+    loaded = helpers.encoder_from(ltx, config, state)
     x = rgb_video(9, 32, 32)
     check_moments(f"{name} lightricks file", loaded.moments(x), reference_dist(ref, x))
 
@@ -259,7 +250,7 @@ def test_decoder_only_files_refused(tmp_path):
     with pytest.raises(ValueError, match="decoder-only"):
         ltx.convert(tmp_path / "d.safetensors")
     ref, _ = make_pair("v090")
-    folder = saved(ref, tmp_path / "vae")
+    folder = helpers.saved(ref, tmp_path / "vae")
     save_file(
         {k: v.contiguous() for k, v in ref.state_dict().items() if k.startswith("decoder.")},
         str(folder / "diffusion_pytorch_model.safetensors"),
@@ -269,4 +260,4 @@ def test_decoder_only_files_refused(tmp_path):
 
 
 def test_bad_input_is_a_value_error():
-    check_bad_input_refused(ltx)
+    helpers.check_bad_input_refused(ltx)

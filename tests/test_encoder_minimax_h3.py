@@ -8,20 +8,8 @@ import torch
 from diffusers import AutoencoderKLMiniMaxH3
 
 from app.encoders import minimax_h3
-from tests.helpers import (
-    check_bad_input_refused,
-    check_encode,
-    check_moments,
-    check_synthetic_encoder,
-    check_working_bytes,
-    encoder_from,
-    encoder_pair,
-    listed,
-    reference_dist,
-    rgb_video,
-    saved,
-    seeded,
-)
+from tests import helpers
+from tests.helpers import check_moments, reference_dist, rgb_video
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -59,14 +47,14 @@ VARIANTS = {
 def make_pair(name: str):
     kwargs = VARIANTS[name]
     n = kwargs["latent_channels"]
-    ref = seeded(
+    ref = helpers.seeded(
         AutoencoderKLMiniMaxH3,
         **DECODER,
         **kwargs,
         latents_mean=(0.0,) * n,
         latents_std=(1.0,) * n,
     )
-    return encoder_pair(minimax_h3, ref, listed(kwargs))
+    return helpers.encoder_pair(minimax_h3, ref, helpers.listed(kwargs))
 
 
 @pytest.mark.parametrize(
@@ -79,7 +67,7 @@ def make_pair(name: str):
     ],
 )
 def test_encode_matches_diffusers(name, shape):
-    check_encode(f"{name} {shape}", *make_pair(name), shape)
+    helpers.check_encode(f"{name} {shape}", *make_pair(name), shape)
 
 
 @pytest.mark.parametrize("hw", [(40, 72), (24, 24)])
@@ -111,20 +99,22 @@ def test_normalize_and_convert(tmp_path):
     enc = minimax_h3.Encoder({**ours.config, "latents_mean": [1.0] * 4, "latents_std": [2.0] * 4})
     z = torch.randn(1, 4, 2, 2, 2)
     torch.testing.assert_close(enc.normalize(z), (z - 1.0) / 2.0)
-    loaded = encoder_from(minimax_h3, *minimax_h3.convert(saved(ref, tmp_path / "vae")))
+    loaded = helpers.encoder_from(
+        minimax_h3, *minimax_h3.convert(helpers.saved(ref, tmp_path / "vae"))
+    )
     x = rgb_video(5, 16, 16)
     torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("name", list(minimax_h3.SYNTHETIC))
 def test_synthetic_weights(name):
-    check_synthetic_encoder(minimax_h3, name)
+    helpers.check_synthetic_encoder(minimax_h3, name)
 
 
 @pytest.mark.parametrize("config,shape", [({}, (1, 3, 17, 256, 256)), ({}, (1, 3, 17, 512, 384))])
 def test_working_bytes_cover_the_measured_peak(config, shape):
-    check_working_bytes(minimax_h3, config, shape)
+    helpers.check_working_bytes(minimax_h3, config, shape)
 
 
 def test_bad_input_is_a_value_error():
-    check_bad_input_refused(minimax_h3)
+    helpers.check_bad_input_refused(minimax_h3)

@@ -9,21 +9,8 @@ import torch
 from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 
 from app.encoders import wan
-from tests.helpers import (
-    ENCODER_PARTS,
-    check_bad_input_refused,
-    check_encode,
-    check_moments,
-    check_synthetic_encoder,
-    check_working_bytes,
-    encoder_from,
-    encoder_pair,
-    reference_dist,
-    rgb_video,
-    saved,
-    seeded,
-    tile_reference,
-)
+from tests import helpers
+from tests.helpers import check_moments, reference_dist, rgb_video
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -118,13 +105,13 @@ def make_pair(name: str):
     cls, kwargs = VARIANTS[name]
     if cls is AutoencoderKLWan and "latents_mean" not in kwargs:
         kwargs = {**kwargs, "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4}
-    ref = seeded(cls, **kwargs)
+    ref = helpers.seeded(cls, **kwargs)
     config = {k: v for k, v in kwargs.items() if k in wan.encode.DEFAULTS}
     if cls is AutoencoderKLQwenImage:
         config["spatial_compression_ratio"] = 2 ** len(kwargs["temperal_downsample"])
     elif "scale_factor_spatial" in kwargs:
         config["spatial_compression_ratio"] = kwargs["scale_factor_spatial"]
-    return encoder_pair(wan, ref, config)
+    return helpers.encoder_pair(wan, ref, config)
 
 
 @pytest.mark.parametrize(
@@ -140,7 +127,9 @@ def make_pair(name: str):
     ],
 )
 def test_encode_matches_diffusers(name, shape, chunk):
-    check_encode(f"{name} {shape} chunk={chunk}", *make_pair(name), shape, chunk_frames=chunk)
+    helpers.check_encode(
+        f"{name} {shape} chunk={chunk}", *make_pair(name), shape, chunk_frames=chunk
+    )
 
 
 @pytest.mark.parametrize("name", ["wan2.1", "wan2.2"])
@@ -161,7 +150,7 @@ def test_chunkings_agree(name):
 )
 def test_tiled_matches_diffusers(name, size, stride, hw):
     ref, ours = make_pair(name)
-    tile_reference(ref, size, stride)
+    helpers.tile_reference(ref, size, stride)
     x = rgb_video(5, *hw)
     got = ours.moments(x, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
     check_moments(f"{name} tiled", got, reference_dist(ref, x))
@@ -186,9 +175,9 @@ def test_image_input_and_normalize():
 @pytest.mark.parametrize("name", ["wan2.2", "qwen-image"])
 def test_convert_diffusers_folder(tmp_path, name):
     ref, ours = make_pair(name)
-    config, state = wan.convert(saved(ref, tmp_path / "vae"))
+    config, state = wan.convert(helpers.saved(ref, tmp_path / "vae"))
     assert config["variant"] == name
-    loaded = encoder_from(wan, config, state)
+    loaded = helpers.encoder_from(wan, config, state)
     x = rgb_video(5, 32, 32)
     torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
     assert (
@@ -199,7 +188,7 @@ def test_convert_diffusers_folder(tmp_path, name):
 
 @pytest.mark.parametrize("name", list(wan.SYNTHETIC))
 def test_synthetic_weights(name):
-    check_synthetic_encoder(wan, name)
+    helpers.check_synthetic_encoder(wan, name)
 
 
 # --- original single files -------------------------------------------------------------------
@@ -254,7 +243,7 @@ def test_original_layout_writer_is_diffusers_own():
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
     ref, _ = make_pair("wan2.1-deep")
-    state = {k: v for k, v in ref.state_dict().items() if k.startswith(ENCODER_PARTS)}
+    state = {k: v for k, v in ref.state_dict().items() if k.startswith(helpers.ENCODER_PARTS)}
     original = original_layout(state)
     original.pop("decoder.conv1.weight")
     theirs = convert_wan_vae_to_diffusers(original)
@@ -281,7 +270,7 @@ def test_convert_original_single_file(tmp_path, name, suffix):
     config, loaded_state = wan.convert(path)
     assert config["variant"] == name.split("-")[0]
     assert config["latents_std"][0] != 1.0  # the published statistics
-    loaded = encoder_from(wan, config, loaded_state)
+    loaded = helpers.encoder_from(wan, config, loaded_state)
     x = rgb_video(5, 32, 32)
     check_moments(f"{name} original file", loaded.moments(x), reference_dist(ref, x))
 
@@ -302,8 +291,8 @@ def test_original_file_without_published_statistics_refused(tmp_path):
     ],
 )
 def test_working_bytes_cover_the_measured_peak(config, shape):
-    check_working_bytes(wan, config, shape)
+    helpers.check_working_bytes(wan, config, shape)
 
 
 def test_bad_input_is_a_value_error():
-    check_bad_input_refused(wan)
+    helpers.check_bad_input_refused(wan)
