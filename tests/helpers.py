@@ -188,6 +188,28 @@ def tile_reference(ref: Any, size: int, stride: int, **more: int) -> None:
     )
 
 
+def check_tiled_encode(
+    name: str, ref: Any, ours: nn.Module, x: torch.Tensor, size: int, stride: int
+) -> None:
+    """Our square tiles of ``size`` pixels every ``stride`` are diffusers' ``enable_tiling``
+    encode of ``x``, and differ from the untiled encode (so the tiles are really there)."""
+    tile_reference(ref, size, stride)
+    got = ours.moments(x, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
+    check_moments(f"{name} tiled", got, reference_dist(ref, x))
+    assert not torch.allclose(ours.moments(x), got)
+
+
+def check_folder_import(
+    family: ModuleType, ref: Any, ours: nn.Module, folder: Path, x: torch.Tensor
+) -> tuple[dict, nn.Module]:
+    """``ref`` saved into ``folder`` and imported with ``family.convert``: (its config, the
+    encoder loaded from it), whose moments of ``x`` are exactly those of ``ours``."""
+    config, state = family.convert(saved(ref, folder))
+    loaded = encoder_from(family, config, state)
+    torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
+    return config, loaded
+
+
 def check_synthetic_encoder(family: ModuleType, name: str) -> None:
     """``family.SYNTHETIC[name]`` after ``init_synthetic``: moments of the announced shape,
     finite and of a trained-like spread on the encoder's own probe input."""
@@ -224,6 +246,36 @@ def check_bad_input_refused(family: ModuleType) -> None:
         enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
     with pytest.raises(ValueError, match="expected"):
         enc.moments(torch.zeros(1, 4, 1, s, s))
+
+
+# --- HunyuanVideo's original checkpoint (Tencent's hyvideo/vae) ---------------------------
+def hunyuan_original_config(ref: Any) -> dict:
+    """The original ``vae/config.json`` (Tencent's ``AutoencoderKLCausal3D``) of ``ref``."""
+    c = ref.config
+    n = len(c.block_out_channels)
+    return {
+        "_class_name": "AutoencoderKLCausal3D",
+        "act_fn": "silu",
+        "block_out_channels": list(c.block_out_channels),
+        "down_block_types": ["DownEncoderBlockCausal3D"] * n,
+        "in_channels": 3,
+        "latent_channels": c.latent_channels,
+        "layers_per_block": c.layers_per_block,
+        "norm_num_groups": c.norm_num_groups,
+        "out_channels": 3,
+        "sample_size": 256,
+        "sample_tsize": 64,
+        "up_block_types": ["UpDecoderBlockCausal3D"] * n,
+        "scaling_factor": 0.476986,
+        "time_compression_ratio": 4,
+        "mid_block_add_attention": c.mid_block_add_attention,
+    }
+
+
+def hunyuan_original_checkpoint(ref: Any) -> dict:
+    """``pytorch_model.pt`` as hyvideo's ``load_vae`` reads it: ``state_dict``, ``vae.`` keys."""
+    state = {f"vae.{k}": v.contiguous() for k, v in ref.state_dict().items()}
+    return {"state_dict": {**state, "loss.logvar": torch.zeros(())}}  # a training leftover
 
 
 # --- videos ---------------------------------------------------------------------------------

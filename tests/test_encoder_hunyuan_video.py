@@ -69,10 +69,7 @@ def test_windows_and_tiles_match_diffusers(hw):
 
 def test_tiles_only_match_diffusers():
     ref, ours = make_pair("s4")
-    helpers.tile_reference(ref, 16, 8)
-    x = rgb_video(9, 24, 32)
-    got = ours.moments(x, tiled=True, tile_sample_size=16, tile_sample_stride=8)
-    check_moments("s4 tiles", got, reference_dist(ref, x))
+    helpers.check_tiled_encode("s4", ref, ours, rgb_video(9, 24, 32), 16, 8)
 
 
 def test_temporal_ratio_8_refused():
@@ -85,11 +82,7 @@ def test_normalize_and_convert(tmp_path):
     ref, ours = make_pair("t4")
     z = torch.randn(1, 4, 2, 2, 2)
     torch.testing.assert_close(ours.normalize(z), z * 0.476986)
-    loaded = helpers.encoder_from(
-        hunyuan_video, *hunyuan_video.convert(helpers.saved(ref, tmp_path / "vae"))
-    )
-    x = rgb_video(5, 16, 16)
-    torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
+    helpers.check_folder_import(hunyuan_video, ref, ours, tmp_path / "vae", rgb_video(5, 16, 16))
 
 
 @pytest.mark.parametrize("name", list(hunyuan_video.SYNTHETIC))
@@ -98,36 +91,13 @@ def test_synthetic_weights(name):
 
 
 # --- original checkpoints ------------------------------------------------------------------------
-def original_config(ref) -> dict:
-    """The original ``vae/config.json`` (Tencent's ``AutoencoderKLCausal3D``) of ``ref``."""
-    c = ref.config
-    n = len(c.block_out_channels)
-    return {
-        "_class_name": "AutoencoderKLCausal3D",
-        "act_fn": "silu",
-        "block_out_channels": list(c.block_out_channels),
-        "down_block_types": ["DownEncoderBlockCausal3D"] * n,
-        "up_block_types": ["UpDecoderBlockCausal3D"] * n,
-        "in_channels": 3,
-        "latent_channels": c.latent_channels,
-        "layers_per_block": c.layers_per_block,
-        "norm_num_groups": c.norm_num_groups,
-        "time_compression_ratio": 4,
-        "mid_block_add_attention": c.mid_block_add_attention,
-        "scaling_factor": 0.476986,
-    }
-
-
 @pytest.mark.parametrize("as_folder", [True, False], ids=["folder", "file"])
 def test_convert_original_checkpoint(tmp_path, as_folder):
     """``pytorch_model.pt`` as hyvideo's load_vae reads it (``state_dict``, ``vae.`` keys,
     a training leftover) with its config.json."""
     ref, _ = make_pair("s4")
-    state = {f"vae.{k}": v.contiguous() for k, v in ref.state_dict().items()}
-    torch.save(
-        {"state_dict": {**state, "loss.logvar": torch.zeros(())}}, tmp_path / "pytorch_model.pt"
-    )
-    config = {**original_config(ref), "spatial_compression_ratio": 4}
+    torch.save(helpers.hunyuan_original_checkpoint(ref), tmp_path / "pytorch_model.pt")
+    config = {**helpers.hunyuan_original_config(ref), "spatial_compression_ratio": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
     source = tmp_path if as_folder else tmp_path / "pytorch_model.pt"
     enc = helpers.encoder_from(hunyuan_video, *hunyuan_video.convert(source))

@@ -4,6 +4,8 @@ our streamed pass (several chunkings), plain and tiled, Wan 2.1, Wan 2.2 TI2V, Q
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
@@ -14,97 +16,52 @@ from tests.helpers import check_moments, reference_dist, rgb_video
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+TI2V = dict(is_residual=True, in_channels=12, out_channels=12, patch_size=2)  # Wan 2.2's patch
+
+
+def tiny(z_dim: int, **config: Any) -> dict[str, Any]:
+    """A Wan VAE config of base width 8 with identity latent statistics."""
+    stats = dict(latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim)
+    return dict(base_dim=8, z_dim=z_dim, **stats, **config)
+
+
 VARIANTS = {
     "wan2.1": (
         AutoencoderKLWan,
-        dict(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[True, True],
-            scale_factor_spatial=4,
-        ),
+        tiny(4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
+             scale_factor_spatial=4),
     ),
     # two resnets a stage, 2-D downsampling first
     "wan2.1-deep": (
         AutoencoderKLWan,
-        dict(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2, 2],
-            num_res_blocks=2,
-            temperal_downsample=[False, True, True],
-            scale_factor_spatial=8,
-        ),
+        tiny(4, dim_mult=[1, 2, 2, 2], num_res_blocks=2, temperal_downsample=[False, True, True],
+             scale_factor_spatial=8),
     ),
     "wan2.2": (
         AutoencoderKLWan,
-        dict(
-            base_dim=8,
-            z_dim=12,
-            dim_mult=[1, 2, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            is_residual=True,
-            in_channels=12,
-            out_channels=12,
-            patch_size=2,
-            scale_factor_spatial=16,
-            latents_mean=[0.0] * 12,
-            latents_std=[1.0] * 12,
-        ),
+        tiny(12, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+             scale_factor_spatial=16, **TI2V),
     ),
     # the published channel counts (original single files carry no statistics)
     "wan2.1-z16": (
         AutoencoderKLWan,
-        dict(
-            base_dim=8,
-            z_dim=16,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=2,
-            temperal_downsample=[False, True],
-            scale_factor_spatial=4,
-            latents_mean=[0.0] * 16,
-            latents_std=[1.0] * 16,
-        ),
+        tiny(16, dim_mult=[1, 2, 2], num_res_blocks=2, temperal_downsample=[False, True],
+             scale_factor_spatial=4),
     ),
     "wan2.2-z48": (
         AutoencoderKLWan,
-        dict(
-            base_dim=8,
-            z_dim=48,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[True, True],
-            is_residual=True,
-            in_channels=12,
-            out_channels=12,
-            patch_size=2,
-            scale_factor_spatial=8,
-            latents_mean=[0.0] * 48,
-            latents_std=[1.0] * 48,
-        ),
+        tiny(48, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
+             scale_factor_spatial=8, **TI2V),
     ),
     "qwen-image": (
         AutoencoderKLQwenImage,
-        dict(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[0.0] * 4,
-            latents_std=[1.0] * 4,
-        ),
+        tiny(4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True]),
     ),
-}
+}  # fmt: skip
 
 
 def make_pair(name: str):
     cls, kwargs = VARIANTS[name]
-    if cls is AutoencoderKLWan and "latents_mean" not in kwargs:
-        kwargs = {**kwargs, "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4}
     ref = helpers.seeded(cls, **kwargs)
     config = {k: v for k, v in kwargs.items() if k in wan.encode.DEFAULTS}
     if cls is AutoencoderKLQwenImage:
@@ -149,12 +106,7 @@ def test_chunkings_agree(name):
     [("wan2.1", 32, 24, (40, 56)), ("wan2.2", 32, 16, (64, 96)), ("qwen-image", 32, 16, (48, 40))],
 )
 def test_tiled_matches_diffusers(name, size, stride, hw):
-    ref, ours = make_pair(name)
-    helpers.tile_reference(ref, size, stride)
-    x = rgb_video(5, *hw)
-    got = ours.moments(x, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
-    check_moments(f"{name} tiled", got, reference_dist(ref, x))
-    assert not torch.allclose(ours.moments(x), got)
+    helpers.check_tiled_encode(name, *make_pair(name), rgb_video(5, *hw), size, stride)
 
 
 def test_attention_in_down_stages_refused():
@@ -175,11 +127,9 @@ def test_image_input_and_normalize():
 @pytest.mark.parametrize("name", ["wan2.2", "qwen-image"])
 def test_convert_diffusers_folder(tmp_path, name):
     ref, ours = make_pair(name)
-    config, state = wan.convert(helpers.saved(ref, tmp_path / "vae"))
-    assert config["variant"] == name
-    loaded = helpers.encoder_from(wan, config, state)
     x = rgb_video(5, 32, 32)
-    torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
+    config, loaded = helpers.check_folder_import(wan, ref, ours, tmp_path / "vae", x)
+    assert config["variant"] == name
     assert (
         loaded.normalize(torch.ones(1, ours.latent_channels, 1, 1, 1)).shape[1]
         == ours.latent_channels
