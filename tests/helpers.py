@@ -29,8 +29,10 @@ from diffusers.video_processor import VideoProcessor
 from fastapi.testclient import TestClient
 from torch import nn
 
+from app import timing
 from app.config import Settings
 from app.service import create_app
+from app.timing import PhaseTimer
 from tests import faulty
 from tests.live import live_server
 
@@ -341,6 +343,46 @@ def ltx_decode(
     torch.manual_seed(seed)
     with torch.no_grad():
         return vae.decode(z, temb).sample
+
+
+def check_temporal_chunks(name: str, ours: nn.Module, z: torch.Tensor, **options: Any) -> None:
+    """One latent frame at a time, state carried across chunks, == one pass (``options``:
+    timestep and seed) == the plain forward; no piece is larger than one latent frame's worth
+    at the last stage (+1 flush)."""
+    whole = ours.decode(z, chunk_frames=0, **options)
+    pieces = list(ours.iter_decode(z, chunk_frames=1, **options))
+    streamed = torch.cat(pieces, 2)
+    assert report(f"{name} chunk=1 vs whole", streamed, whole) >= 0.99999
+    assert (streamed - whole).abs().max() < 1e-5
+    assert max(p.shape[2] for p in pieces) <= ours.temporal_scale + 1
+    cond = ours.conditioning(z, options)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(z, cond), whole, rtol=0, atol=0)
+
+
+def stage_phases(ours: nn.Module, z: torch.Tensor, **options: Any) -> list[str]:
+    """The phases a fresh ``PhaseTimer`` records over ``ours.decode(z, **options)``, the
+    decoder's stages instrumented."""
+    timing.instrument(ours.stages())
+    timer = PhaseTimer()
+    with timer.active():
+        ours.decode(z, **options)
+    return list(timer.phases())
+
+
+def lightricks_decoder_name(key: str, blocks: list[tuple[str, list]]) -> str:
+    """A decoder tensor name of ours -> Lightricks' single-file one: ``blocks`` lists each
+    (our module path, [Lightricks block kind, params]) in its flat ``up_blocks.N`` order."""
+    for j, (path, (kind, _)) in sorted(enumerate(blocks), key=lambda b: -len(b[1][0])):
+        if key.startswith(path + "."):
+            rest = key[len(path) + 1 :]
+            rest = rest.replace("resnets.", "res_blocks.") if kind == "res_x" else rest
+            key = f"up_blocks.{j}.{rest}"
+            break
+    for new, old in (("time_embedder.", "last_time_embedder."),
+                     ("scale_shift_table", "last_scale_shift_table")):  # fmt: skip
+        key = old + key[len(new) :] if key.startswith(new) else key
+    return key
 
 
 @torch.no_grad()

@@ -12,20 +12,21 @@ from diffusers.loaders.single_file_utils import convert_ltx2_vae_to_diffusers
 from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 from safetensors.torch import save_file
 
-from app import timing
 from app.decoders import ltx
 from app.decoders.ltx.ltx2 import ltx2_spec
-from app.timing import PhaseTimer
 from tests.helpers import (
+    check_temporal_chunks,
     decoder_from,
     decoder_state,
     import_pair,
     latent,
+    lightricks_decoder_name,
     ltx_decode,
     noise_scales_count,
     report,
     saved,
     seeded,
+    stage_phases,
     synthetic_twins,
     with_stats,
 )
@@ -118,16 +119,7 @@ def test_decode_matches_diffusers(variant, shape):
 @pytest.mark.parametrize("variant", ["released", "kinds-causal", "factor1-zeros"])
 def test_temporal_chunks_are_exact(variant):
     _, ours = make_pair(variant)
-    z = clip(4, 2, 3)
-    whole = ours.decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=0)
-    pieces = list(ours.iter_decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=1))
-    streamed = torch.cat(pieces, 2)
-    assert report(f"{variant} chunk=1 vs whole", streamed, whole) >= 0.99999
-    assert (streamed - whole).abs().max() < 1e-5
-    assert max(p.shape[2] for p in pieces) <= ours.temporal_scale + 1  # bounded pieces
-    cond = ours.conditioning(z, {"timestep": TIMESTEP, "seed": SEED})
-    with torch.no_grad():
-        torch.testing.assert_close(ours(z, cond), whole, rtol=0, atol=0)
+    check_temporal_chunks(variant, ours, clip(4, 2, 3), timestep=TIMESTEP, seed=SEED)
 
 
 def test_causal_first_frame_is_independent_of_later_frames():
@@ -173,19 +165,8 @@ def test_geometry_stages_and_dispatch():
     _, released = make_pair("released")
     assert (released.spatial_scale, released.temporal_scale, released.frames_out(3)) == (32, 8, 17)
     probe = ours.probe_latent(torch.Generator().manual_seed(0))
-    timing.instrument(ours.stages())
-    timer = PhaseTimer()
-    with timer.active():
-        ours.decode(probe, seed=0)
-    assert list(timer.phases()) == [
-        "condition",
-        "conv_in",
-        "mid",
-        "up_0",
-        "up_1",
-        "up_2",
-        "conv_out",
-    ]
+    phases = stage_phases(ours, probe, seed=0)
+    assert phases == ["condition", "conv_in", "mid", "up_0", "up_1", "up_2", "conv_out"]
     image = ours.decode(probe[:, :, 0], seed=0)
     assert torch.equal(image, ours.decode(probe[:, :, :1], seed=0)[:, :, 0])
     # no "version": the 0.9.x decoder, as every stored ltx model before LTX-2
@@ -251,19 +232,7 @@ def lightricks_file(ref: AutoencoderKLLTX2Video, extra: dict | None = None) -> t
         )
     tensors = {}
     for key, value in decoder_state(ref).items():
-        for j, (path, (kind, _)) in sorted(enumerate(blocks), key=lambda b: -len(b[1][0])):
-            if key.startswith(path + "."):
-                rest = key[len(path) + 1 :]
-                key = f"up_blocks.{j}." + (
-                    rest.replace("resnets.", "res_blocks.") if kind == "res_x" else rest
-                )
-                break
-        for new, old in (
-            ("time_embedder.", "last_time_embedder."),
-            ("scale_shift_table", "last_scale_shift_table"),
-        ):
-            key = old + key[len(new) :] if key.startswith(new) else key
-        tensors["vae.decoder." + key] = value.contiguous()
+        tensors["vae.decoder." + lightricks_decoder_name(key, blocks)] = value.contiguous()
     tensors["vae.per_channel_statistics.mean-of-means"] = ref.latents_mean.clone()
     tensors["vae.per_channel_statistics.std-of-means"] = ref.latents_std.clone()
     tensors["vae.per_channel_statistics.channel"] = torch.arange(LATENT_CHANNELS)
