@@ -15,21 +15,8 @@ from safetensors.torch import save_file
 from app.decoders import ltx
 from app.decoders.ltx.model import decoder_spec
 from app.decoders.ops import WEIGHT_HEAVY, conv3d
-from tests.helpers import (
-    check_temporal_chunks,
-    decoder_state,
-    import_pair,
-    latent,
-    lightricks_decoder_name,
-    ltx_decode,
-    noise_scales_count,
-    report,
-    saved,
-    seeded,
-    stage_phases,
-    synthetic_twins,
-    with_stats,
-)
+from tests import helpers
+from tests.helpers import decoder_state, latent, report, seeded, with_stats
 
 # a tiny encoder: diffusers always builds one, the tests never use it
 ENCODER = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1))
@@ -69,14 +56,14 @@ TIMESTEP = 0.05
 SEED = 7
 pytestmark = pytest.mark.usefixtures("one_thread")
 # diffusers' decode at the tests' timestep, its noise seeded like ours
-reference_decode = partial(ltx_decode, timestep=TIMESTEP, seed=SEED)
+reference_decode = partial(helpers.ltx_decode, timestep=TIMESTEP, seed=SEED)
 
 
 def make_pair(variant: str) -> tuple[AutoencoderKLLTXVideo, ltx.Decoder]:
     """A diffusers VAE with random weights and our decoder loaded from its state dict."""
     kwargs = VARIANTS[variant]
     ref = seeded(AutoencoderKLLTXVideo, latent_channels=LATENT_CHANNELS, **ENCODER, **kwargs)
-    noise_scales_count(ref)
+    helpers.noise_scales_count(ref)
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
     ours = ltx.Decoder({"latent_channels": LATENT_CHANNELS, **config}).eval()
     ours.load_state_dict(decoder_state(ref))
@@ -104,7 +91,7 @@ def test_decode_matches_diffusers(variant, frames):
 def test_temporal_chunks_are_exact(variant):
     """One latent frame at a time, carried state across chunks == one pass."""
     _, ours = make_pair(variant)
-    check_temporal_chunks(variant, ours, clip(4, 2, 2), timestep=TIMESTEP, seed=SEED)
+    helpers.check_temporal_chunks(variant, ours, clip(4, 2, 2), timestep=TIMESTEP, seed=SEED)
 
 
 def test_noise_seed():
@@ -161,9 +148,11 @@ def test_geometry_and_timer():
     assert (ours.spatial_scale, ours.temporal_scale, ours.frames_out(3)) == (32, 8, 17)
     probe = ours.probe_latent(torch.Generator().manual_seed(0))
     assert probe.shape == (1, LATENT_CHANNELS, 2, 4, 4)
-    phases = stage_phases(ours, probe, seed=0)
+    phases = helpers.stage_phases(ours, probe, seed=0)
     assert phases == ["condition", "conv_in", "mid", "up_0", "up_1", "up_2", "conv_out"]
-    assert "blend" in stage_phases(ours, probe, seed=0, tiled=True, tile_size=2, tile_overlap=1)
+    assert "blend" in helpers.stage_phases(
+        ours, probe, seed=0, tiled=True, tile_size=2, tile_overlap=1
+    )
     untiled = ours.decode(probe, seed=0)  # the old option name "tile" is no longer read
     assert torch.equal(ours.decode(probe, seed=0, tile=True, tile_size=2), untiled)
     image = ours.decode(probe[:, :, 0], seed=0)  # an image latent: one frame, 4-D out
@@ -176,7 +165,7 @@ def test_geometry_and_timer():
 
 def test_synthetic_is_deterministic():
     config = ltx.SYNTHETIC["ltx-tiny"]
-    synthetic_twins(ltx, config, seed=3)
+    helpers.synthetic_twins(ltx, config, seed=3)
     json.dumps(config)  # a store manifest holds it
 
 
@@ -184,7 +173,7 @@ def test_synthetic_is_deterministic():
 @pytest.mark.parametrize("variant", ["v090", "v091"])
 def test_convert_diffusers_folder(variant, tmp_path):
     ref, _ = make_pair(variant)
-    _, ours, config = import_pair(with_stats(ref), ltx, tmp_path / "pipe")
+    _, ours, config = helpers.import_pair(with_stats(ref), ltx, tmp_path / "pipe")
     assert ltx.convert(tmp_path / "pipe" / "vae")[0] == config
     z = clip(2)
     got = ours.decode(z, timestep=TIMESTEP, seed=SEED)
@@ -225,7 +214,7 @@ def lightricks_checkpoint(ref: AutoencoderKLLTXVideo) -> tuple[dict, dict]:
 
 def _original_name(key: str, blocks: list[tuple[str, list]]) -> str:
     """Lightricks' name, 0.9.0's channel-changing resnets (norm3, 1x1 shortcut) included."""
-    key = lightricks_decoder_name(key, blocks)
+    key = helpers.lightricks_decoder_name(key, blocks)
     return key.replace("conv_shortcut.conv.", "conv_shortcut.").replace("norm3.", "norm3.norm.")
 
 
@@ -241,7 +230,7 @@ def test_convert_lightricks_single_file(variant, tmp_path):
     path = tmp_path / "ltx-video.safetensors"
     save_file(tensors, str(path), metadata={"config": json.dumps(meta)})
     config, state = ltx.convert(path)
-    folder_config, folder_state = ltx.convert(saved(ref, tmp_path / "vae"))
+    folder_config, folder_state = ltx.convert(helpers.saved(ref, tmp_path / "vae"))
     assert state.keys() == folder_state.keys()
     assert all(torch.equal(state[k], folder_state[k]) for k in state)
     assert decoder_spec(config) == decoder_spec(folder_config)
