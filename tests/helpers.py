@@ -84,6 +84,16 @@ def seeded(cls: type[nn.Module], seed: int = 0, **config: Any) -> nn.Module:
     return cls(**config).eval()
 
 
+@torch.no_grad()
+def checked_reference_decode(ref: Any, ours: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """diffusers' decode of ``z`` ``[B,C,T,H,W]``, whose frame count and width are those
+    ``ours`` announces (``frames_out``, ``spatial_scale``)."""
+    expected = ref.decode(z).sample
+    assert expected.shape[2] == ours.frames_out(z.shape[2])
+    assert expected.shape[-1] == z.shape[-1] * ours.spatial_scale
+    return expected
+
+
 def decoder_state(vae: nn.Module, prefix: str = "decoder.") -> dict[str, torch.Tensor]:
     """``vae``'s tensors under ``prefix``, without it: what our decoder's state dict holds."""
     return {k[len(prefix) :]: v for k, v in vae.state_dict().items() if k.startswith(prefix)}
@@ -125,6 +135,10 @@ def synthetic_twins(family: ModuleType, config: dict, seed: int) -> tuple[nn.Mod
 def listed(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` with its tuples as lists, as JSON (and so a store manifest) keeps them."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+
+
+# diffusers' AutoencoderKLWan as Wan 2.2 TI2V builds it: residual blocks, a 2x2 patch (12 channels)
+WAN22_PATCHED = dict(is_residual=True, patch_size=2, in_channels=12, out_channels=12)
 
 
 # --- video encoders: ours against diffusers' ``encode`` -------------------------------------

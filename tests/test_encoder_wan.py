@@ -16,8 +16,6 @@ from tests.helpers import check_moments, reference_dist, rgb_video
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TI2V = dict(is_residual=True, in_channels=12, out_channels=12, patch_size=2)  # Wan 2.2's patch
-
 
 def tiny(z_dim: int, **config: Any) -> dict[str, Any]:
     """A Wan VAE config of base width 8 with identity latent statistics."""
@@ -40,7 +38,7 @@ VARIANTS = {
     "wan2.2": (
         AutoencoderKLWan,
         tiny(12, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
-             scale_factor_spatial=16, **TI2V),
+             scale_factor_spatial=16, **helpers.WAN22_PATCHED),
     ),
     # the published channel counts (original single files carry no statistics)
     "wan2.1-z16": (
@@ -51,7 +49,7 @@ VARIANTS = {
     "wan2.2-z48": (
         AutoencoderKLWan,
         tiny(48, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
-             scale_factor_spatial=8, **TI2V),
+             scale_factor_spatial=8, **helpers.WAN22_PATCHED),
     ),
     "qwen-image": (
         AutoencoderKLQwenImage,
