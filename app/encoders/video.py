@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from app.decoders import ops
+from app.decoders.checkpoint import state_mismatch
 from app.decoders.tiling import Grid, blend_edge
 
 ENCODER_PREFIXES = ("encoder.", "quant_conv.")
@@ -121,15 +122,9 @@ def read_single_file(path: Path, prefixes: tuple[str, ...] = ()) -> dict[str, Te
 def check_state(encoder_cls: Any, config: dict[str, Any], state: dict[str, Tensor], where: Path):
     """The converted names and shapes must be exactly ``encoder_cls(config)``'s (on meta)."""
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in encoder_cls(config).state_dict().items()}
-    got = {k: v.shape for k, v in state.items()}
-    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-    bad = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
-    if missing or extra or bad:
-        raise ValueError(
-            f"{where}: the encoder weights do not fit their config: missing {missing[:5]}, "
-            f"unexpected {extra[:5]}, wrong shape {bad[:5]}"
-        )
+        encoder = encoder_cls(config)
+    if problem := state_mismatch(encoder, state):
+        raise ValueError(f"{where}: the encoder weights do not fit their config: {problem}")
 
 
 def encoder_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from app.decoders import ops
+from app.decoders.checkpoint import decoder_part, state_mismatch
 from app.decoders.wan.model import Architecture
 
 # Published latent statistics (diffusers' AutoencoderKLWan defaults = Wan 2.1 = Qwen-Image;
@@ -72,7 +73,7 @@ def _from_folder(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
             f"{' and '.join(CLASSES)}"
         )
     tensors = ops.read_safetensors_folder(folder)
-    state = _decoder_part(tensors, folder, "decoder.")
+    state = decoder_part(tensors, folder, "Wan")
     return (_qwen_config(raw) if name == "AutoencoderKLQwenImage" else _wan_config(raw)), state
 
 
@@ -116,28 +117,13 @@ def _qwen_config(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _decoder_part(tensors: dict[str, Tensor], where: Path, prefix: str) -> dict[str, Tensor]:
-    """The decoder's tensors (canonical names); the encoder's are dropped, others refused."""
-    state, unknown = {}, []
-    for key, value in tensors.items():
-        if key.startswith(prefix):
-            state[key[len(prefix) :]] = value
-        elif key.startswith("post_quant_conv."):
-            state[key] = value
-        elif not key.startswith(("encoder.", "quant_conv.")):
-            unknown.append(key)
-    if unknown:
-        raise ValueError(f"{where}: keys of no Wan VAE part: {sorted(unknown)[:5]}")
-    return state
-
-
 # --- original single files --------------------------------------------------------------------
 def _from_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     tensors = _read_file(path)
     if "decoder.middle.0.residual.0.gamma" in tensors:
         state = _from_original(tensors, path)
     elif "decoder.mid_block.resnets.0.norm1.gamma" in tensors:
-        state = _decoder_part(tensors, path, "decoder.")
+        state = decoder_part(tensors, path, "Wan")
     else:
         raise ValueError(
             f"{path}: not a Wan VAE (no decoder.middle.* or decoder.mid_block.* keys; "
@@ -271,12 +257,8 @@ def _infer_config(state: dict[str, Tensor], path: Path) -> dict[str, Any]:
 def check_state(config: dict[str, Any], state: dict[str, Tensor], source: Path) -> None:
     """The converted names and shapes must be exactly the decoder's (checked on meta)."""
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in Architecture(config).state_dict().items()}
-    got = {k: v.shape for k, v in state.items()}
-    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-    bad = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
-    if missing or extra or bad:
+        decoder = Architecture(config)
+    if problem := state_mismatch(decoder, state):
         raise ValueError(
-            f"{source}: the Wan checkpoint does not fit its config ({config['variant']}): "
-            f"missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}"
+            f"{source}: the Wan checkpoint does not fit its config ({config['variant']}): {problem}"
         )
