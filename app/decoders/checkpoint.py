@@ -1,12 +1,26 @@
-"""What the families' ``convert.py`` share once a checkpoint is read: the decoder half in
-canonical names, and a converted state dict checked against the module it must load into
-(the encoders' converts check theirs with it too)."""
+"""What the families' ``convert.py`` share (the encoders' converts too): a single file's
+tensors, the decoder half of a VAE checkpoint in canonical names, and a converted state dict
+checked against the module it must load into."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file
 from torch import Tensor, nn
+
+
+def read_tensors(path: Path) -> dict[str, Tensor]:
+    """Tensors of a safetensors file, or of a pickled ``.pth`` / ``.pt`` / ``.ckpt`` read with
+    ``weights_only=True`` (no code runs; a ``state_dict`` entry is unwrapped)."""
+    if path.suffix in (".pth", ".pt", ".ckpt"):
+        loaded = torch.load(str(path), map_location="cpu", weights_only=True)
+        loaded = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: a pickle of {type(loaded).__name__}, not a state dict")
+        return {k: v for k, v in loaded.items() if isinstance(v, Tensor)}
+    return load_file(str(path))
 
 
 def decoder_part(tensors: dict[str, Tensor], where: Path, vae: str) -> dict[str, Tensor]:

@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from app.decoders import ops
-from app.decoders.checkpoint import state_mismatch
+from app.decoders.checkpoint import read_tensors, state_mismatch
 from app.decoders.tiling import Grid, blend_edge
 
 ENCODER_PREFIXES = ("encoder.", "quant_conv.")
@@ -104,15 +103,7 @@ def read_single_file(path: Path, prefixes: tuple[str, ...] = ()) -> dict[str, Te
     """Tensors of a safetensors file, or of a pickled ``.pth`` / ``.pt`` / ``.ckpt`` read with
     ``weights_only=True`` (no code runs; a ``state_dict`` entry is unwrapped); the first of
     ``prefixes`` that every key has is dropped."""
-    path = Path(path)
-    if path.suffix in (".pth", ".pt", ".ckpt"):
-        loaded = torch.load(str(path), map_location="cpu", weights_only=True)
-        loaded = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: a pickle of {type(loaded).__name__}, not a state dict")
-        tensors = {k: v for k, v in loaded.items() if isinstance(v, Tensor)}
-    else:
-        tensors = load_file(str(path))
+    tensors = read_tensors(Path(path))
     for prefix in prefixes:
         if tensors and all(k.startswith(prefix) for k in tensors):
             return {k[len(prefix) :]: v for k, v in tensors.items()}

@@ -52,11 +52,8 @@ def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
             state = _decoder_part(ops.read_safetensors_folder(folder), folder)
     else:
         state = _decoder_part(_read_file(source), source)
-        beside = source.parent / "config.json"
-        if beside.exists():
-            config = _config(json.loads(beside.read_text()), source.parent)
-        else:
-            config = _infer_config(state, source)
+        raw = config_beside(source)
+        config = _infer_config(state, source) if raw is None else _config(raw, source.parent)
     check_state(config, state, source)
     return config, state
 
@@ -67,6 +64,12 @@ def config_folder(source: Path) -> tuple[Path, dict[str, Any]]:
     in a pipeline folder), and that config."""
     folder = source / "vae" if (source / "vae" / "config.json").exists() else source
     return folder, json.loads((folder / "config.json").read_text())
+
+
+def config_beside(path: Path) -> dict[str, Any] | None:
+    """The config.json beside a single file, or None when there is none."""
+    beside = path.parent / "config.json"
+    return json.loads(beside.read_text()) if beside.exists() else None
 
 
 def original_weights(folder: Path) -> Path:

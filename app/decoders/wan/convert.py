@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from app.decoders import ops
-from app.decoders.checkpoint import decoder_part, state_mismatch
+from app.decoders.checkpoint import decoder_part, read_tensors, state_mismatch
 from app.decoders.wan.model import Architecture
 
 # Published latent statistics (diffusers' AutoencoderKLWan defaults = Wan 2.1 = Qwen-Image;
@@ -133,17 +132,9 @@ def _from_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
 
 
 def _read_file(path: Path) -> dict[str, Tensor]:
-    """Tensors of a safetensors file, or of a pickled ``.pth``/``.pt`` read with
-    ``weights_only=True`` (no code runs); a ``vae.``-style prefix is dropped."""
-    if path.suffix in (".pth", ".pt", ".ckpt"):
-        file = str(path)
-        loaded = torch.load(file, map_location="cpu", weights_only=True)
-        loaded = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: a pickle of {type(loaded).__name__}, not a state dict")
-        tensors = {k: v for k, v in loaded.items() if isinstance(v, Tensor)}
-    else:
-        tensors = load_file(str(path))
+    """A single file's tensors (``read_tensors``), each ``vae.``-style prefix that every key
+    has dropped."""
+    tensors = read_tensors(path)
     for prefix in PREFIXES:
         if tensors and all(k.startswith(prefix) for k in tensors):
             tensors = {k[len(prefix) :]: v for k, v in tensors.items()}

@@ -12,7 +12,6 @@ Anything that does not fit the encoder exactly is refused, named."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from torch import Tensor
 from app.decoders.hunyuan_video.convert import (
     DIFFUSERS_CLASS,
     ORIGINAL_CLASS,
+    config_beside,
     config_folder,
     original_weights,
     without_vae_prefix,
@@ -46,11 +46,8 @@ def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
             config, state = _config(raw, folder), _encoder_part(tensors, folder)
     else:
         state = _encoder_part(_read_file(source), source)
-        beside = source.parent / "config.json"
-        if beside.exists():
-            config = _config(json.loads(beside.read_text()), source.parent)
-        else:
-            config = _infer_config(state)
+        raw = config_beside(source)
+        config = _infer_config(state) if raw is None else _config(raw, source.parent)
     try:
         video.check_state(Encoder, config, state, source)
     except ValueError as exc:  # e.g. widths the norm groups do not divide
