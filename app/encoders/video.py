@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from app.decoders import ops
 from app.decoders.checkpoint import read_tensors, state_mismatch
@@ -31,6 +31,14 @@ def check_input(x: Tensor, channels: int, multiple: int) -> None:
     h, w = x.shape[-2:]
     if h % multiple or w % multiple or not h or not w:
         raise ValueError(f"frame {h}x{w}: height and width must be multiples of {multiple}")
+
+
+def as_clip(x: Tensor, like: Tensor, channels: int, multiple: int) -> tuple[Tensor, bool]:
+    """``x`` checked (``check_input``), on ``like``'s device and dtype, as a clip
+    ``[B, C, T, H, W]``; and whether it was an image (whose moments go back 4-D)."""
+    check_input(x, channels, multiple)
+    x = x.to(device=like.device, dtype=like.dtype)
+    return (x.unsqueeze(2), True) if x.ndim == 4 else (x, False)
 
 
 def tiled(run: Callable[[Tensor], Tensor], x: Tensor, ratio: int, size: int, stride: int) -> Tensor:
@@ -78,11 +86,13 @@ def normalize(z: Tensor, mean: Tensor, std: Tensor, scaling_factor: float = 1.0)
     return (z - mean) * scaling_factor / std
 
 
-def latent_stats(config: dict[str, Any], channels: int) -> tuple[Tensor, Tensor]:
-    """The config's ``latents_mean`` / ``latents_std`` (zeros / ones where absent)."""
+def register_latent_stats(encoder: nn.Module, config: dict[str, Any], channels: int) -> None:
+    """The config's ``latents_mean`` / ``latents_std`` (zeros / ones where absent) as the
+    encoder's float32 buffers of those names (not in its state dict)."""
     mean = config.get("latents_mean") or [0.0] * channels
     std = config.get("latents_std") or [1.0] * channels
-    return torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
+    for name, values in (("latents_mean", mean), ("latents_std", std)):
+        encoder.register_buffer(name, torch.tensor(values, dtype=torch.float32), persistent=False)
 
 
 def read_vae_folder(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:

@@ -104,12 +104,9 @@ class Encoder(VAEEncoder):
     # --- encoding ------------------------------------------------------------------------
     @torch.no_grad()
     def moments(self, x: Tensor, **options: Any) -> Tensor:
-        weight = self.quant_conv.weight
-        video.check_input(x, self.spec.in_channels, self.spatial_scale)
-        x = x.to(device=weight.device, dtype=weight.dtype)
-        image = x.ndim == 4
-        if image:
-            x = x.unsqueeze(2)
+        x, image = video.as_clip(
+            x, self.quant_conv.weight, self.spec.in_channels, self.spatial_scale
+        )
         frames = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
         if options.get("framewise", True) and x.shape[2] > frames:
             m = self._windows(x, options)
