@@ -41,6 +41,19 @@ def as_clip(x: Tensor, like: Tensor, channels: int, multiple: int) -> tuple[Tens
     return (x.unsqueeze(2), True) if x.ndim == 4 else (x, False)
 
 
+def stages(
+    stem: list[nn.Module], down_blocks: nn.ModuleList, mid: nn.Module | None, head: list[nn.Module]
+) -> list[tuple[str, nn.Module]]:
+    """A video encoder's timed stages, in order: ``conv_in`` (``stem``), ``down_i``, ``mid``
+    (where there is one) and ``conv_out`` (``head``: the output norm to ``quant_conv``)."""
+    return [
+        *(("conv_in", m) for m in stem),
+        *((f"down_{i}", block) for i, block in enumerate(down_blocks)),
+        *([("mid", mid)] if mid is not None else []),
+        *(("conv_out", m) for m in head),
+    ]
+
+
 def tiled(run: Callable[[Tensor], Tensor], x: Tensor, ratio: int, size: int, stride: int) -> Tensor:
     """diffusers' ``tiled_encode``: ``size``-pixel tiles every ``stride`` pixels, each through
     ``run``; seams blended over ``(size - stride) // ratio`` latent cells in raster order; each

@@ -192,18 +192,20 @@ def _flat_targets(tensors: dict[str, Tensor]) -> dict[int, str]:
 def _rename(key: str, nested: bool, flat_targets: dict[int, str]) -> str | None:
     for old, new in _TOP.items():
         if key.startswith(old):
-            return _resnet_part(new, key[len(old) :])
+            return resnet_part(new, key[len(old) :])
     if nested and (m := _NESTED.match(key)):
         i, j, rest = int(m.group(1)), int(m.group(2)), m.group(3)
         if rest.startswith(("resample.", "time_conv.")):
             return f"up_blocks.{i}.upsampler.{rest}"
-        return _resnet_part(f"up_blocks.{i}.resnets.{j}.", rest)
+        return resnet_part(f"up_blocks.{i}.resnets.{j}.", rest)
     if not nested and (m := _FLAT.match(key)):
-        return _resnet_part(flat_targets[int(m.group(1))], m.group(2))
+        return resnet_part(flat_targets[int(m.group(1))], m.group(2))
     return None
 
 
-def _resnet_part(prefix: str, rest: str) -> str:
+def resnet_part(prefix: str, rest: str) -> str:
+    """``prefix`` + an original resnet's ``rest`` in diffusers' names (the encoder's convert
+    renames with it too)."""
     for old, new in _RESNET.items():
         if rest.startswith(old):
             return prefix + new + rest[len(old) :]

@@ -232,14 +232,8 @@ class Encoder(VAEEncoder):
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         net = self.encoder
-        head = (net.norm_out, net.conv_act, net.conv_out, net.shared_logvar)
-        return [
-            ("conv_in", net.patchify),
-            ("conv_in", net.conv_in),
-            *((f"down_{i}", block) for i, block in enumerate(net.down_blocks)),
-            ("mid", net.mid_block),
-            *(("conv_out", m) for m in head),
-        ]
+        head = [net.norm_out, net.conv_act, net.conv_out, net.shared_logvar]
+        return video.stages([net.patchify, net.conv_in], net.down_blocks, net.mid_block, head)
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
         frames = input_shape[2] if len(input_shape) == 5 else 1

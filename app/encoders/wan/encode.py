@@ -138,13 +138,8 @@ class Encoder(VAEEncoder):
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         net = self.encoder
-        return [
-            ("conv_in", net.conv_in),
-            *((f"down_{i}", block) for i, block in enumerate(net.down_blocks)),
-            ("mid", net.mid_block),
-            *(("conv_out", m) for m in (net.norm_out, net.nonlinearity, net.conv_out)),
-            ("conv_out", self.quant_conv),
-        ]
+        head = [net.norm_out, net.nonlinearity, net.conv_out, self.quant_conv]
+        return video.stages([net.conv_in], net.down_blocks, net.mid_block, head)
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
         frames = input_shape[2] if len(input_shape) == 5 else 1
