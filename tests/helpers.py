@@ -226,6 +226,19 @@ def check_folder_import(
     return config, loaded
 
 
+def check_encoder_stages(ours: nn.Module, has_mid: bool = True) -> None:
+    """The timed stages run ``conv_in``, ``down_0``..., ``mid`` (where there is one),
+    ``conv_out`` in that order and hold every parameter of the encoder (none goes untimed)."""
+    stages = ours.stages()
+    names = [name for name, _ in stages]
+    downs = sum(name.startswith("down_") for name in names)
+    expected = ["conv_in"] * names.count("conv_in") + [f"down_{i}" for i in range(downs)]
+    expected += ["mid"] * has_mid + ["conv_out"] * names.count("conv_out")
+    assert names == expected and names[0] == "conv_in" and names[-1] == "conv_out"
+    held = {id(p) for _, module in stages for p in module.parameters()}
+    assert held == {id(p) for p in ours.parameters()}
+
+
 def check_synthetic_encoder(family: ModuleType, name: str) -> None:
     """``family.SYNTHETIC[name]`` after ``init_synthetic``: moments of the announced shape,
     finite and of a trained-like spread on the encoder's own probe input."""

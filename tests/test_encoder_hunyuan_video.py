@@ -85,6 +85,10 @@ def test_normalize_and_convert(tmp_path):
     helpers.check_folder_import(hunyuan_video, ref, ours, tmp_path / "vae", rgb_video(5, 16, 16))
 
 
+def test_stages_hold_every_parameter_in_order():
+    helpers.check_encoder_stages(make_pair("t4")[1])
+
+
 @pytest.mark.parametrize("name", list(hunyuan_video.SYNTHETIC))
 def test_synthetic_weights(name):
     helpers.check_synthetic_encoder(hunyuan_video, name)

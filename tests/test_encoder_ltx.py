@@ -160,6 +160,10 @@ def test_convert_diffusers_folder(tmp_path):
     assert config["version"] == "ltx2"
 
 
+def test_stages_hold_every_parameter_in_order():
+    helpers.check_encoder_stages(make_pair("v095")[1])
+
+
 @pytest.mark.parametrize("name", list(ltx.SYNTHETIC))
 def test_synthetic_weights(name):
     helpers.check_synthetic_encoder(ltx, name)

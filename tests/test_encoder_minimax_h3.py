@@ -102,6 +102,10 @@ def test_normalize_and_convert(tmp_path):
     helpers.check_folder_import(minimax_h3, ref, ours, tmp_path / "vae", rgb_video(5, 16, 16))
 
 
+def test_stages_hold_every_parameter_in_order():
+    helpers.check_encoder_stages(make_pair("small")[1], has_mid=False)
+
+
 @pytest.mark.parametrize("name", list(minimax_h3.SYNTHETIC))
 def test_synthetic_weights(name):
     helpers.check_synthetic_encoder(minimax_h3, name)

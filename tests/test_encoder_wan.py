@@ -134,6 +134,10 @@ def test_convert_diffusers_folder(tmp_path, name):
     )
 
 
+def test_stages_hold_every_parameter_in_order():
+    helpers.check_encoder_stages(make_pair("wan2.1")[1])
+
+
 @pytest.mark.parametrize("name", list(wan.SYNTHETIC))
 def test_synthetic_weights(name):
     helpers.check_synthetic_encoder(wan, name)
