@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -156,17 +158,30 @@ def _from_original(tensors: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
     """Original Wan names -> canonical names (the encoder and ``conv1`` dropped)."""
     nested = any(_NESTED.match(k) for k in tensors)
     flat_targets = {} if nested else _flat_targets(tensors)
+    rename = partial(_rename, nested=nested, flat_targets=flat_targets)
+    return renamed(tensors, ("encoder.", "conv1."), rename, path, "decoder")
+
+
+def renamed(
+    tensors: dict[str, Tensor],
+    dropped: tuple[str, ...],
+    rename: Callable[[str], str | None],
+    where: Path,
+    half: str,
+) -> dict[str, Tensor]:
+    """``tensors`` under ``rename``'s names, the keys under ``dropped`` (the other half) left
+    out; a key ``rename`` has no name for is refused, named (the encoder's convert too)."""
     state, unknown = {}, []
     for key, value in tensors.items():
-        if key.startswith(("encoder.", "conv1.")):
+        if key.startswith(dropped):
             continue
-        name = _rename(key, nested, flat_targets)
+        name = rename(key)
         if name is None:
             unknown.append(key)
         else:
             state[name] = value
     if unknown:
-        raise ValueError(f"{path}: keys the Wan decoder does not have: {sorted(unknown)[:5]}")
+        raise ValueError(f"{where}: keys the Wan {half} does not have: {sorted(unknown)[:5]}")
     return state
 
 

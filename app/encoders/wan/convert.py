@@ -18,7 +18,14 @@ from typing import Any
 
 from torch import Tensor
 
-from app.decoders.wan.convert import KNOWN_STATS, PREFIXES, WAN21_MEAN, WAN21_STD, resnet_part
+from app.decoders.wan.convert import (
+    KNOWN_STATS,
+    PREFIXES,
+    WAN21_MEAN,
+    WAN21_STD,
+    renamed,
+    resnet_part,
+)
 from app.encoders import video
 from app.encoders.wan.encode import DEFAULTS, Encoder
 
@@ -83,18 +90,7 @@ def _from_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
 
 def _from_original(tensors: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
     """Original Wan names -> diffusers' (the decoder and ``conv2`` dropped)."""
-    state, unknown = {}, []
-    for key, value in tensors.items():
-        if key.startswith(("decoder.", "conv2.")):
-            continue
-        name = _rename(key)
-        if name is None:
-            unknown.append(key)
-        else:
-            state[name] = value
-    if unknown:
-        raise ValueError(f"{path}: keys the Wan encoder does not have: {sorted(unknown)[:5]}")
-    return state
+    return renamed(tensors, ("decoder.", "conv2."), _rename, path, "encoder")
 
 
 def _rename(key: str) -> str | None:
