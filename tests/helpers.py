@@ -1,5 +1,6 @@
 """What the parity and HTTP tests share: seeded latents, cosine, PSNR, a parity check,
-diffusers references with seeded weights and our decoders loaded from them, MP4 frames.
+diffusers references with seeded weights and our decoders and encoders loaded from them, the
+checks every video encoder family passes, MP4 frames.
 
 Computed here, independently of ``app`` (a test must not grade the code with its own ruler):
 a family module is passed in by the test that checks it.
@@ -28,8 +29,10 @@ from diffusers.video_processor import VideoProcessor
 from fastapi.testclient import TestClient
 from torch import nn
 
+from app import timing
 from app.config import Settings
 from app.service import create_app
+from app.timing import PhaseTimer
 from tests import faulty
 from tests.live import live_server
 
@@ -81,6 +84,16 @@ def seeded(cls: type[nn.Module], seed: int = 0, **config: Any) -> nn.Module:
     return cls(**config).eval()
 
 
+@torch.no_grad()
+def checked_reference_decode(ref: Any, ours: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """diffusers' decode of ``z`` ``[B,C,T,H,W]``, whose frame count and width are those
+    ``ours`` announces (``frames_out``, ``spatial_scale``)."""
+    expected = ref.decode(z).sample
+    assert expected.shape[2] == ours.frames_out(z.shape[2])
+    assert expected.shape[-1] == z.shape[-1] * ours.spatial_scale
+    return expected
+
+
 def decoder_state(vae: nn.Module, prefix: str = "decoder.") -> dict[str, torch.Tensor]:
     """``vae``'s tensors under ``prefix``, without it: what our decoder's state dict holds."""
     return {k[len(prefix) :]: v for k, v in vae.state_dict().items() if k.startswith(prefix)}
@@ -117,6 +130,181 @@ def synthetic_twins(family: ModuleType, config: dict, seed: int) -> tuple[nn.Mod
     pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
     assert all(torch.equal(x, y) for x, y in pairs)
     return a, b
+
+
+def listed(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with its tuples as lists, as JSON (and so a store manifest) keeps them."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+
+
+# diffusers' AutoencoderKLWan as Wan 2.2 TI2V builds it: residual blocks, a 2x2 patch (12 channels)
+WAN22_PATCHED = dict(is_residual=True, patch_size=2, in_channels=12, out_channels=12)
+
+
+# --- video encoders: ours against diffusers' ``encode`` -------------------------------------
+ENCODER_PARTS = ("encoder.", "quant_conv.")  # a diffusers VAE's encoder half
+
+
+def encoder_from(family: ModuleType, config: dict, state: dict[str, torch.Tensor]) -> nn.Module:
+    """``family.Encoder`` holding ``state``; its config goes through JSON first, as a store
+    manifest keeps it."""
+    ours = family.Encoder(json.loads(json.dumps(config))).eval()
+    ours.load_state_dict(state)
+    return ours
+
+
+def encoder_pair(
+    family: ModuleType, ref: nn.Module, config: dict, parts: tuple[str, ...] = ENCODER_PARTS
+) -> tuple[nn.Module, nn.Module]:
+    """(``ref``, ``family.Encoder(config)`` holding ``ref``'s tensors under ``parts``)."""
+    state = {k: v for k, v in ref.state_dict().items() if k.startswith(parts)}
+    return ref, encoder_from(family, config, state)
+
+
+def rgb_video(frames: int, h: int, w: int, batch: int = 1) -> torch.Tensor:
+    """A uniform [-1, 1) RGB video ``[batch, 3, frames, h, w]``, seeded by its shape."""
+    g = torch.Generator().manual_seed(frames * 1000 + h + w)
+    return torch.rand((batch, 3, frames, h, w), generator=g) * 2 - 1
+
+
+def reference_dist(ref: Any, x: torch.Tensor) -> Any:
+    """diffusers' ``encode(x).latent_dist`` (its moments are ``.parameters``)."""
+    with torch.no_grad():
+        return ref.encode(x).latent_dist
+
+
+def check_moments(name: str, got: torch.Tensor, ref_dist: Any) -> None:
+    """Our moments ``got`` are ``ref_dist``'s (shape, cosine of the moments and of the mean)."""
+    expected = ref_dist.parameters
+    assert got.shape == expected.shape
+    assert report(f"{name} moments", got, expected) >= 0.99999
+    assert report(f"{name} mean", got.chunk(2, dim=1)[0], ref_dist.mean) >= 0.99999
+
+
+def check_encode(
+    name: str, ref: Any, ours: nn.Module, shape: tuple[int, int, int], **options: Any
+) -> None:
+    """``ours.moments`` of a ``(frames, h, w)`` video (a batch of 2 for one frame) with
+    ``options`` against ``ref``'s encode, and the latent geometry ``ours`` announces."""
+    x = rgb_video(*shape, batch=2 if shape[0] == 1 else 1)
+    got = ours.moments(x, **options)
+    check_moments(name, got, reference_dist(ref, x))
+    assert got.shape[2] == ours.latent_frames(shape[0])
+    assert got.shape[-1] * ours.spatial_scale == shape[-1]
+
+
+def tile_reference(ref: Any, size: int, stride: int, **more: int) -> None:
+    """diffusers' ``enable_tiling`` with square ``size``-pixel tiles every ``stride`` pixels."""
+    ref.enable_tiling(
+        tile_sample_min_height=size,
+        tile_sample_min_width=size,
+        tile_sample_stride_height=stride,
+        tile_sample_stride_width=stride,
+        **more,
+    )
+
+
+def check_tiled_encode(
+    name: str, ref: Any, ours: nn.Module, x: torch.Tensor, size: int, stride: int
+) -> None:
+    """Our square tiles of ``size`` pixels every ``stride`` are diffusers' ``enable_tiling``
+    encode of ``x``, and differ from the untiled encode (so the tiles are really there)."""
+    tile_reference(ref, size, stride)
+    got = ours.moments(x, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
+    check_moments(f"{name} tiled", got, reference_dist(ref, x))
+    assert not torch.allclose(ours.moments(x), got)
+
+
+def check_folder_import(
+    family: ModuleType, ref: Any, ours: nn.Module, folder: Path, x: torch.Tensor
+) -> tuple[dict, nn.Module]:
+    """``ref`` saved into ``folder`` and imported with ``family.convert``: (its config, the
+    encoder loaded from it), whose moments of ``x`` are exactly those of ``ours``."""
+    config, state = family.convert(saved(ref, folder))
+    loaded = encoder_from(family, config, state)
+    torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
+    return config, loaded
+
+
+def check_encoder_stages(ours: nn.Module, has_mid: bool = True) -> None:
+    """The timed stages run ``conv_in``, ``down_0``..., ``mid`` (where there is one),
+    ``conv_out`` in that order and hold every parameter of the encoder (none goes untimed)."""
+    stages = ours.stages()
+    names = [name for name, _ in stages]
+    downs = sum(name.startswith("down_") for name in names)
+    expected = ["conv_in"] * names.count("conv_in") + [f"down_{i}" for i in range(downs)]
+    expected += ["mid"] * has_mid + ["conv_out"] * names.count("conv_out")
+    assert names == expected and names[0] == "conv_in" and names[-1] == "conv_out"
+    held = {id(p) for _, module in stages for p in module.parameters()}
+    assert held == {id(p) for p in ours.parameters()}
+
+
+def check_synthetic_encoder(family: ModuleType, name: str) -> None:
+    """``family.SYNTHETIC[name]`` after ``init_synthetic``: moments of the announced shape,
+    finite and of a trained-like spread on the encoder's own probe input."""
+    enc = family.Encoder(family.SYNTHETIC[name]).eval()
+    family.init_synthetic(enc, torch.Generator().manual_seed(0))
+    x = enc.probe_input(torch.Generator().manual_seed(1))
+    m = enc.moments(x)
+    assert m.shape[1] == 2 * enc.latent_channels
+    assert m.shape[2] == enc.latent_frames(x.shape[2])
+    assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+
+
+def check_working_bytes(family: ModuleType, config: dict, shape: tuple[int, ...]) -> None:
+    """The memory plan's estimate against the peak live tensor bytes of an encode of
+    ``config`` (``{}``: the published architecture), measured on the meta device: enough,
+    and not wildly more."""
+    from bench.meta_memory import live_peak
+
+    with torch.device("meta"):
+        enc = family.Encoder(config).eval()
+    x = torch.empty(shape, device="meta")
+    peak = live_peak(lambda: enc.moments(x))
+    estimate = enc.working_bytes(shape, 4)
+    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
+    assert peak <= estimate <= 1.5 * peak
+
+
+def check_bad_input_refused(family: ModuleType) -> None:
+    """A frame size off the encoder's spatial cell, or the wrong channel count: a
+    ``ValueError`` that says so."""
+    enc = family.Encoder(family.SYNTHETIC[next(iter(family.SYNTHETIC))]).eval()
+    s = enc.spatial_scale
+    with pytest.raises(ValueError, match="multiples of"):
+        enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
+    with pytest.raises(ValueError, match="expected"):
+        enc.moments(torch.zeros(1, 4, 1, s, s))
+
+
+# --- HunyuanVideo's original checkpoint (Tencent's hyvideo/vae) ---------------------------
+def hunyuan_original_config(ref: Any) -> dict:
+    """The original ``vae/config.json`` (Tencent's ``AutoencoderKLCausal3D``) of ``ref``."""
+    c = ref.config
+    n = len(c.block_out_channels)
+    return {
+        "_class_name": "AutoencoderKLCausal3D",
+        "act_fn": "silu",
+        "block_out_channels": list(c.block_out_channels),
+        "down_block_types": ["DownEncoderBlockCausal3D"] * n,
+        "in_channels": 3,
+        "latent_channels": c.latent_channels,
+        "layers_per_block": c.layers_per_block,
+        "norm_num_groups": c.norm_num_groups,
+        "out_channels": 3,
+        "sample_size": 256,
+        "sample_tsize": 64,
+        "up_block_types": ["UpDecoderBlockCausal3D"] * n,
+        "scaling_factor": 0.476986,
+        "time_compression_ratio": 4,
+        "mid_block_add_attention": c.mid_block_add_attention,
+    }
+
+
+def hunyuan_original_checkpoint(ref: Any) -> dict:
+    """``pytorch_model.pt`` as hyvideo's ``load_vae`` reads it: ``state_dict``, ``vae.`` keys."""
+    state = {f"vae.{k}": v.contiguous() for k, v in ref.state_dict().items()}
+    return {"state_dict": {**state, "loss.logvar": torch.zeros(())}}  # a training leftover
 
 
 # --- videos ---------------------------------------------------------------------------------
@@ -182,6 +370,46 @@ def ltx_decode(
     torch.manual_seed(seed)
     with torch.no_grad():
         return vae.decode(z, temb).sample
+
+
+def check_temporal_chunks(name: str, ours: nn.Module, z: torch.Tensor, **options: Any) -> None:
+    """One latent frame at a time, state carried across chunks, == one pass (``options``:
+    timestep and seed) == the plain forward; no piece is larger than one latent frame's worth
+    at the last stage (+1 flush)."""
+    whole = ours.decode(z, chunk_frames=0, **options)
+    pieces = list(ours.iter_decode(z, chunk_frames=1, **options))
+    streamed = torch.cat(pieces, 2)
+    assert report(f"{name} chunk=1 vs whole", streamed, whole) >= 0.99999
+    assert (streamed - whole).abs().max() < 1e-5
+    assert max(p.shape[2] for p in pieces) <= ours.temporal_scale + 1
+    cond = ours.conditioning(z, options)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(z, cond), whole, rtol=0, atol=0)
+
+
+def stage_phases(ours: nn.Module, z: torch.Tensor, **options: Any) -> list[str]:
+    """The phases a fresh ``PhaseTimer`` records over ``ours.decode(z, **options)``, the
+    decoder's stages instrumented."""
+    timing.instrument(ours.stages())
+    timer = PhaseTimer()
+    with timer.active():
+        ours.decode(z, **options)
+    return list(timer.phases())
+
+
+def lightricks_decoder_name(key: str, blocks: list[tuple[str, list]]) -> str:
+    """A decoder tensor name of ours -> Lightricks' single-file one: ``blocks`` lists each
+    (our module path, [Lightricks block kind, params]) in its flat ``up_blocks.N`` order."""
+    for j, (path, (kind, _)) in sorted(enumerate(blocks), key=lambda b: -len(b[1][0])):
+        if key.startswith(path + "."):
+            rest = key[len(path) + 1 :]
+            rest = rest.replace("resnets.", "res_blocks.") if kind == "res_x" else rest
+            key = f"up_blocks.{j}.{rest}"
+            break
+    for new, old in (("time_embedder.", "last_time_embedder."),
+                     ("scale_shift_table", "last_scale_shift_table")):  # fmt: skip
+        key = old + key[len(new) :] if key.startswith(new) else key
+    return key
 
 
 @torch.no_grad()

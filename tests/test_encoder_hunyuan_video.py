@@ -11,7 +11,8 @@ import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
 from app.encoders import hunyuan_video
-from tests.helpers import report, saved, seeded
+from tests import helpers
+from tests.helpers import check_moments, reference_dist, rgb_video
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,24 +38,8 @@ VARIANTS = {
 
 def make_pair(name: str):
     kwargs = VARIANTS[name]
-    ref = seeded(AutoencoderKLHunyuanVideo, **kwargs)
-    config = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
-    ours = hunyuan_video.Encoder(config).eval()
-    state = {k: v for k, v in ref.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
-    ours.load_state_dict(state)
-    return ref, ours
-
-
-def clip(frames: int, h: int, w: int, batch: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(frames * 1000 + h + w)
-    return torch.rand((batch, 3, frames, h, w), generator=g) * 2 - 1
-
-
-def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
-    expected = ref_dist.parameters
-    assert got.shape == expected.shape
-    assert report(f"{name} moments", got, expected) >= 0.99999
-    assert report(f"{name} mean", got.chunk(2, dim=1)[0], ref_dist.mean) >= 0.99999
+    ref = helpers.seeded(AutoencoderKLHunyuanVideo, **kwargs)
+    return helpers.encoder_pair(hunyuan_video, ref, helpers.listed(kwargs))
 
 
 @pytest.mark.parametrize(
@@ -62,14 +47,7 @@ def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
 )
 def test_encode_matches_diffusers(name, shape):
     """21 frames: the reference's default 17-frame windows every 12 frames."""
-    ref, ours = make_pair(name)
-    x = clip(*shape, batch=2 if shape[0] == 1 else 1)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    got = ours.moments(x)
-    check_moments(f"{name} {shape}", got, expected)
-    assert got.shape[2] == ours.latent_frames(shape[0])
-    assert got.shape[-1] * ours.spatial_scale == shape[-1]
+    helpers.check_encode(f"{name} {shape}", *make_pair(name), shape)
 
 
 @pytest.mark.parametrize("hw", [(8, 8), (40, 48)])
@@ -79,36 +57,19 @@ def test_windows_and_tiles_match_diffusers(hw):
     opts = dict(
         tile_sample_frames=8, tile_sample_frame_stride=4, tile_sample_size=32, tile_sample_stride=16
     )
-    ref.enable_tiling(
-        tile_sample_min_height=32,
-        tile_sample_min_width=32,
-        tile_sample_min_num_frames=8,
-        tile_sample_stride_height=16,
-        tile_sample_stride_width=16,
-        tile_sample_stride_num_frames=4,
+    helpers.tile_reference(
+        ref, 32, 16, tile_sample_min_num_frames=8, tile_sample_stride_num_frames=4
     )
-    x = clip(13, *hw)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
+    x = rgb_video(13, *hw)
     got = ours.moments(x, tiled=True, **opts)
-    check_moments(f"t4 windows+tiles {hw}", got, expected)
+    check_moments(f"t4 windows+tiles {hw}", got, reference_dist(ref, x))
     plain = ours.moments(x, framewise=False)
     assert plain.shape == got.shape and not torch.allclose(plain, got)
 
 
 def test_tiles_only_match_diffusers():
     ref, ours = make_pair("s4")
-    ref.enable_tiling(
-        tile_sample_min_height=16,
-        tile_sample_min_width=16,
-        tile_sample_stride_height=8,
-        tile_sample_stride_width=8,
-    )
-    x = clip(9, 24, 32)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    got = ours.moments(x, tiled=True, tile_sample_size=16, tile_sample_stride=8)
-    check_moments("s4 tiles", got, expected)
+    helpers.check_tiled_encode("s4", ref, ours, rgb_video(9, 24, 32), 16, 8)
 
 
 def test_temporal_ratio_8_refused():
@@ -121,71 +82,38 @@ def test_normalize_and_convert(tmp_path):
     ref, ours = make_pair("t4")
     z = torch.randn(1, 4, 2, 2, 2)
     torch.testing.assert_close(ours.normalize(z), z * 0.476986)
-    config, state = hunyuan_video.convert(saved(ref, tmp_path / "vae"))
-    loaded = hunyuan_video.Encoder(config).eval()
-    loaded.load_state_dict(state)
-    x = clip(5, 16, 16)
-    torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
+    helpers.check_folder_import(hunyuan_video, ref, ours, tmp_path / "vae", rgb_video(5, 16, 16))
+
+
+def test_stages_hold_every_parameter_in_order():
+    helpers.check_encoder_stages(make_pair("t4")[1])
 
 
 @pytest.mark.parametrize("name", list(hunyuan_video.SYNTHETIC))
 def test_synthetic_weights(name):
-    enc = hunyuan_video.Encoder(hunyuan_video.SYNTHETIC[name]).eval()
-    hunyuan_video.init_synthetic(enc, torch.Generator().manual_seed(0))
-    x = enc.probe_input(torch.Generator().manual_seed(1))
-    m = enc.moments(x)
-    assert m.shape[1] == 2 * enc.latent_channels
-    assert m.shape[2] == enc.latent_frames(x.shape[2])
-    assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+    helpers.check_synthetic_encoder(hunyuan_video, name)
 
 
 # --- original checkpoints ------------------------------------------------------------------------
-def original_config(ref) -> dict:
-    """The original ``vae/config.json`` (Tencent's ``AutoencoderKLCausal3D``) of ``ref``."""
-    c = ref.config
-    n = len(c.block_out_channels)
-    return {
-        "_class_name": "AutoencoderKLCausal3D",
-        "act_fn": "silu",
-        "block_out_channels": list(c.block_out_channels),
-        "down_block_types": ["DownEncoderBlockCausal3D"] * n,
-        "up_block_types": ["UpDecoderBlockCausal3D"] * n,
-        "in_channels": 3,
-        "latent_channels": c.latent_channels,
-        "layers_per_block": c.layers_per_block,
-        "norm_num_groups": c.norm_num_groups,
-        "time_compression_ratio": 4,
-        "mid_block_add_attention": c.mid_block_add_attention,
-        "scaling_factor": 0.476986,
-    }
-
-
 @pytest.mark.parametrize("as_folder", [True, False], ids=["folder", "file"])
 def test_convert_original_checkpoint(tmp_path, as_folder):
     """``pytorch_model.pt`` as hyvideo's load_vae reads it (``state_dict``, ``vae.`` keys,
     a training leftover) with its config.json."""
     ref, _ = make_pair("s4")
-    state = {f"vae.{k}": v.contiguous() for k, v in ref.state_dict().items()}
-    torch.save(
-        {"state_dict": {**state, "loss.logvar": torch.zeros(())}}, tmp_path / "pytorch_model.pt"
-    )
-    config = {**original_config(ref), "spatial_compression_ratio": 4}
+    torch.save(helpers.hunyuan_original_checkpoint(ref), tmp_path / "pytorch_model.pt")
+    config = {**helpers.hunyuan_original_config(ref), "spatial_compression_ratio": 4}
     (tmp_path / "config.json").write_text(json.dumps(config))
     source = tmp_path if as_folder else tmp_path / "pytorch_model.pt"
-    got_config, got_state = hunyuan_video.convert(source)
-    enc = hunyuan_video.Encoder(got_config).eval()
-    enc.load_state_dict(got_state)
-    x = clip(5, 16, 16)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    check_moments("s4 original", enc.moments(x), expected)
+    enc = helpers.encoder_from(hunyuan_video, *hunyuan_video.convert(source))
+    x = rgb_video(5, 16, 16)
+    check_moments("s4 original", enc.moments(x), reference_dist(ref, x))
 
 
 def test_convert_single_file_without_config(tmp_path):
     """A lone repack: the config from the shapes and the published values (32 groups)."""
     from safetensors.torch import save_file
 
-    ref = seeded(
+    ref = helpers.seeded(
         AutoencoderKLHunyuanVideo,
         block_out_channels=(32, 32, 64, 64),
         layers_per_block=1,
@@ -195,12 +123,9 @@ def test_convert_single_file_without_config(tmp_path):
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(path))
     config, state = hunyuan_video.convert(path)
     assert config["block_out_channels"] == [32, 32, 64, 64] and config["norm_num_groups"] == 32
-    enc = hunyuan_video.Encoder(config).eval()
-    enc.load_state_dict(state)
-    x = clip(5, 16, 16)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    check_moments("repack", enc.moments(x), expected)
+    enc = helpers.encoder_from(hunyuan_video, config, state)
+    x = rgb_video(5, 16, 16)
+    check_moments("repack", enc.moments(x), reference_dist(ref, x))
 
 
 def test_decoder_only_checkpoint_refused(tmp_path):
@@ -215,23 +140,8 @@ def test_decoder_only_checkpoint_refused(tmp_path):
 
 @pytest.mark.parametrize("config,shape", [({}, (1, 3, 17, 256, 256)), ({}, (1, 3, 9, 128, 256))])
 def test_working_bytes_cover_the_measured_peak(config, shape):
-    """The memory plan's estimate against the peak live tensor bytes of an encode of the
-    published architecture, measured on the meta device: enough, and not wildly more."""
-    from bench.meta_memory import live_peak
-
-    with torch.device("meta"):
-        enc = hunyuan_video.Encoder(config).eval()
-    x = torch.empty(shape, device="meta")
-    peak = live_peak(lambda: enc.moments(x))
-    estimate = enc.working_bytes(shape, 4)
-    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
-    assert peak <= estimate <= 1.5 * peak
+    helpers.check_working_bytes(hunyuan_video, config, shape)
 
 
 def test_bad_input_is_a_value_error():
-    enc = hunyuan_video.Encoder(hunyuan_video.SYNTHETIC[next(iter(hunyuan_video.SYNTHETIC))]).eval()
-    s = enc.spatial_scale
-    with pytest.raises(ValueError, match="multiples of"):
-        enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
-    with pytest.raises(ValueError, match="expected"):
-        enc.moments(torch.zeros(1, 4, 1, s, s))
+    helpers.check_bad_input_refused(hunyuan_video)

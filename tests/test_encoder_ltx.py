@@ -10,7 +10,8 @@ import torch
 from diffusers import AutoencoderKLLTX2Video, AutoencoderKLLTXVideo
 
 from app.encoders import ltx
-from tests.helpers import report, saved, seeded
+from tests import helpers
+from tests.helpers import check_moments, reference_dist, rgb_video
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,30 +73,18 @@ LTX2_VARIANTS = {
 def make_pair(name: str, **extra):
     if name in LTX2_VARIANTS:
         kwargs = {**LTX2_VARIANTS[name], **extra}
-        ref = seeded(AutoencoderKLLTX2Video, latent_channels=LATENT, **LTX2_DECODER, **kwargs)
+        ref = helpers.seeded(
+            AutoencoderKLLTX2Video, latent_channels=LATENT, **LTX2_DECODER, **kwargs
+        )
         config = {"version": "ltx2"}
     else:
         kwargs = {**VARIANTS[name], **extra}
-        ref = seeded(AutoencoderKLLTXVideo, latent_channels=LATENT, **DECODER, **kwargs)
+        ref = helpers.seeded(AutoencoderKLLTXVideo, latent_channels=LATENT, **DECODER, **kwargs)
         config = {}
-    config.update({k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()})
-    ours = ltx.Encoder({"latent_channels": LATENT, **config}).eval()
-    state = {k: v for k, v in ref.state_dict().items() if k.startswith("encoder.")}
-    ours.load_state_dict(state)
-    return ref, ours
-
-
-def clip(frames: int, h: int, w: int, batch: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(frames * 1000 + h + w)
-    return torch.rand((batch, 3, frames, h, w), generator=g) * 2 - 1
-
-
-def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
-    expected = ref_dist.parameters
-    assert got.shape == expected.shape
-    assert report(f"{name} moments", got, expected) >= 0.99999
-    mean = got.chunk(2, dim=1)[0]
-    assert report(f"{name} mean", mean, ref_dist.mean) >= 0.99999
+    config.update(helpers.listed(kwargs))
+    return helpers.encoder_pair(
+        ltx, ref, {"latent_channels": LATENT, **config}, parts=("encoder.",)
+    )
 
 
 @pytest.mark.parametrize(
@@ -109,14 +98,7 @@ def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
     ],
 )
 def test_encode_matches_diffusers(name, shape):
-    ref, ours = make_pair(name)
-    x = clip(*shape, batch=2 if shape[0] == 1 else 1)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    got = ours.moments(x)
-    check_moments(f"{name} {shape}", got, expected)
-    assert got.shape[2] == ours.latent_frames(shape[0])
-    assert got.shape[-1] * ours.spatial_scale == shape[-1]
+    helpers.check_encode(f"{name} {shape}", *make_pair(name), shape)
 
 
 @pytest.mark.parametrize(
@@ -124,20 +106,7 @@ def test_encode_matches_diffusers(name, shape):
 )
 def test_tiled_matches_diffusers(name, size, stride, hw):
     """diffusers' enable_tiling path: overlapping tiles, a partial last row and column."""
-    ref, ours = make_pair(name)
-    ref.enable_tiling(
-        tile_sample_min_height=size,
-        tile_sample_min_width=size,
-        tile_sample_stride_height=stride,
-        tile_sample_stride_width=stride,
-    )
-    x = clip(9, *hw)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    got = ours.moments(x, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
-    check_moments(f"{name} tiled", got, expected)
-    plain = ours.moments(x)
-    assert not torch.allclose(plain, got)  # the tiles did change the result
+    helpers.check_tiled_encode(name, *make_pair(name), rgb_video(9, *hw), size, stride)
 
 
 @pytest.mark.parametrize("name", ["v090", "ltx2"])
@@ -148,11 +117,9 @@ def test_framewise_matches_diffusers(name):
     ref, ours = make_pair(name, temporal_compression_ratio=8, spatial_compression_ratio=32)
     ref.use_framewise_decoding = True
     ref.enable_tiling(tile_sample_min_num_frames=16, tile_sample_stride_num_frames=8)
-    x = clip(33, 32, 32)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
+    x = rgb_video(33, 32, 32)
     got = ours.moments(x, framewise=True, tile_sample_frames=16, tile_sample_frame_stride=8)
-    check_moments(f"{name} framewise", got, expected)
+    check_moments(f"{name} framewise", got, reference_dist(ref, x))
     assert not torch.allclose(ours.moments(x), got)
 
 
@@ -162,10 +129,9 @@ def test_causal_stream_is_exact(name):
     diffusers' encode; a non-causal encoder does not stream."""
     ref, ours = make_pair(name)
     scale = ours.temporal_scale
-    x = clip(1 + 3 * scale, 2 * ours.spatial_scale, 2 * ours.spatial_scale)
+    x = rgb_video(1 + 3 * scale, 2 * ours.spatial_scale, 2 * ours.spatial_scale)
     whole = ours.moments(x)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
+    expected = reference_dist(ref, x)
     for chunk in (scale, 2 * scale):
         streamed = ours.moments(x, chunk_frames=chunk)
         torch.testing.assert_close(streamed, whole, rtol=0, atol=2e-6)
@@ -178,7 +144,7 @@ def test_causal_stream_is_exact(name):
 
 def test_image_input_and_normalize():
     _, ours = make_pair("v090")
-    x = clip(1, 32, 32)
+    x = rgb_video(1, 32, 32)
     assert torch.equal(ours.moments(x[:, :, 0]), ours.moments(x)[:, :, 0])
     ours2 = ltx.Encoder(
         {**ours.config, "latents_mean": [0.5] * LATENT, "latents_std": [2.0] * LATENT}
@@ -189,40 +155,25 @@ def test_image_input_and_normalize():
 
 def test_convert_diffusers_folder(tmp_path):
     ref, ours = make_pair("ltx2-reflect")
-    config, state = ltx.convert(saved(ref, tmp_path / "vae"))
+    x = rgb_video(9, 32, 32)
+    config, _ = helpers.check_folder_import(ltx, ref, ours, tmp_path / "vae", x)
     assert config["version"] == "ltx2"
-    loaded = ltx.Encoder(config).eval()
-    loaded.load_state_dict(state)
-    x = clip(9, 32, 32)
-    torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
+
+
+def test_stages_hold_every_parameter_in_order():
+    helpers.check_encoder_stages(make_pair("v095")[1])
 
 
 @pytest.mark.parametrize("name", list(ltx.SYNTHETIC))
 def test_synthetic_weights(name):
-    enc = ltx.Encoder(ltx.SYNTHETIC[name]).eval()
-    ltx.init_synthetic(enc, torch.Generator().manual_seed(0))
-    x = enc.probe_input(torch.Generator().manual_seed(1))
-    m = enc.moments(x)
-    assert m.shape[1] == 2 * enc.latent_channels
-    assert m.shape[2] == enc.latent_frames(x.shape[2])
-    assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+    helpers.check_synthetic_encoder(ltx, name)
 
 
 @pytest.mark.parametrize(
     "config,shape", [({}, (1, 3, 17, 256, 256)), ({"version": "ltx2"}, (1, 3, 9, 256, 384))]
 )
 def test_working_bytes_cover_the_measured_peak(config, shape):
-    """The memory plan's estimate against the peak live tensor bytes of an encode of the
-    published architecture, measured on the meta device: enough, and not wildly more."""
-    from bench.meta_memory import live_peak
-
-    with torch.device("meta"):
-        enc = ltx.Encoder(config).eval()
-    x = torch.empty(shape, device="meta")
-    peak = live_peak(lambda: enc.moments(x))
-    estimate = enc.working_bytes(shape, 4)
-    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
-    assert peak <= estimate <= 1.5 * peak
+    helpers.check_working_bytes(ltx, config, shape)
 
 
 # --- Lightricks single files -----------------------------------------------------------------
@@ -283,12 +234,9 @@ def test_convert_lightricks_single_file(tmp_path, name):
               metadata={"config": json.dumps({"vae": causal})})  # fmt: skip
     config, state = ltx.convert(path)
     assert config["latents_std"][-1] == 2.0
-    loaded = ltx.Encoder(config).eval()
-    loaded.load_state_dict(state)
-    x = clip(9, 32, 32)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    check_moments(f"{name} lightricks file", loaded.moments(x), expected)
+    loaded = helpers.encoder_from(ltx, config, state)
+    x = rgb_video(9, 32, 32)
+    check_moments(f"{name} lightricks file", loaded.moments(x), reference_dist(ref, x))
 
 
 def test_decoder_only_files_refused(tmp_path):
@@ -298,7 +246,7 @@ def test_decoder_only_files_refused(tmp_path):
     with pytest.raises(ValueError, match="decoder-only"):
         ltx.convert(tmp_path / "d.safetensors")
     ref, _ = make_pair("v090")
-    folder = saved(ref, tmp_path / "vae")
+    folder = helpers.saved(ref, tmp_path / "vae")
     save_file(
         {k: v.contiguous() for k, v in ref.state_dict().items() if k.startswith("decoder.")},
         str(folder / "diffusion_pytorch_model.safetensors"),
@@ -308,9 +256,4 @@ def test_decoder_only_files_refused(tmp_path):
 
 
 def test_bad_input_is_a_value_error():
-    enc = ltx.Encoder(ltx.SYNTHETIC[next(iter(ltx.SYNTHETIC))]).eval()
-    s = enc.spatial_scale
-    with pytest.raises(ValueError, match="multiples of"):
-        enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
-    with pytest.raises(ValueError, match="expected"):
-        enc.moments(torch.zeros(1, 4, 1, s, s))
+    helpers.check_bad_input_refused(ltx)

@@ -4,128 +4,69 @@ our streamed pass (several chunkings), plain and tiled, Wan 2.1, Wan 2.2 TI2V, Q
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 
 from app.encoders import wan
-from tests.helpers import report, saved, seeded
+from tests import helpers
+from tests.helpers import check_moments, reference_dist, rgb_video
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def tiny(z_dim: int, **config: Any) -> dict[str, Any]:
+    """A Wan VAE config of base width 8 with identity latent statistics."""
+    stats = dict(latents_mean=[0.0] * z_dim, latents_std=[1.0] * z_dim)
+    return dict(base_dim=8, z_dim=z_dim, **stats, **config)
+
 
 VARIANTS = {
     "wan2.1": (
         AutoencoderKLWan,
-        dict(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[True, True],
-            scale_factor_spatial=4,
-        ),
+        tiny(4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
+             scale_factor_spatial=4),
     ),
     # two resnets a stage, 2-D downsampling first
     "wan2.1-deep": (
         AutoencoderKLWan,
-        dict(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2, 2],
-            num_res_blocks=2,
-            temperal_downsample=[False, True, True],
-            scale_factor_spatial=8,
-        ),
+        tiny(4, dim_mult=[1, 2, 2, 2], num_res_blocks=2, temperal_downsample=[False, True, True],
+             scale_factor_spatial=8),
     ),
     "wan2.2": (
         AutoencoderKLWan,
-        dict(
-            base_dim=8,
-            z_dim=12,
-            dim_mult=[1, 2, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True, True],
-            is_residual=True,
-            in_channels=12,
-            out_channels=12,
-            patch_size=2,
-            scale_factor_spatial=16,
-            latents_mean=[0.0] * 12,
-            latents_std=[1.0] * 12,
-        ),
+        tiny(12, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+             scale_factor_spatial=16, **helpers.WAN22_PATCHED),
     ),
     # the published channel counts (original single files carry no statistics)
     "wan2.1-z16": (
         AutoencoderKLWan,
-        dict(
-            base_dim=8,
-            z_dim=16,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=2,
-            temperal_downsample=[False, True],
-            scale_factor_spatial=4,
-            latents_mean=[0.0] * 16,
-            latents_std=[1.0] * 16,
-        ),
+        tiny(16, dim_mult=[1, 2, 2], num_res_blocks=2, temperal_downsample=[False, True],
+             scale_factor_spatial=4),
     ),
     "wan2.2-z48": (
         AutoencoderKLWan,
-        dict(
-            base_dim=8,
-            z_dim=48,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[True, True],
-            is_residual=True,
-            in_channels=12,
-            out_channels=12,
-            patch_size=2,
-            scale_factor_spatial=8,
-            latents_mean=[0.0] * 48,
-            latents_std=[1.0] * 48,
-        ),
+        tiny(48, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True],
+             scale_factor_spatial=8, **helpers.WAN22_PATCHED),
     ),
     "qwen-image": (
         AutoencoderKLQwenImage,
-        dict(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 2, 2],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[0.0] * 4,
-            latents_std=[1.0] * 4,
-        ),
+        tiny(4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True]),
     ),
-}
+}  # fmt: skip
 
 
 def make_pair(name: str):
     cls, kwargs = VARIANTS[name]
-    if cls is AutoencoderKLWan and "latents_mean" not in kwargs:
-        kwargs = {**kwargs, "latents_mean": [0.0] * 4, "latents_std": [1.0] * 4}
-    ref = seeded(cls, **kwargs)
+    ref = helpers.seeded(cls, **kwargs)
     config = {k: v for k, v in kwargs.items() if k in wan.encode.DEFAULTS}
     if cls is AutoencoderKLQwenImage:
         config["spatial_compression_ratio"] = 2 ** len(kwargs["temperal_downsample"])
     elif "scale_factor_spatial" in kwargs:
         config["spatial_compression_ratio"] = kwargs["scale_factor_spatial"]
-    ours = wan.Encoder(config).eval()
-    state = {k: v for k, v in ref.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
-    ours.load_state_dict(state)
-    return ref, ours
-
-
-def clip(frames: int, h: int, w: int, batch: int = 1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(frames * 1000 + h + w)
-    return torch.rand((batch, 3, frames, h, w), generator=g) * 2 - 1
-
-
-def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
-    expected = ref_dist.parameters
-    assert got.shape == expected.shape
-    assert report(f"{name} moments", got, expected) >= 0.99999
-    assert report(f"{name} mean", got.chunk(2, dim=1)[0], ref_dist.mean) >= 0.99999
+    return helpers.encoder_pair(wan, ref, config)
 
 
 @pytest.mark.parametrize(
@@ -141,21 +82,16 @@ def check_moments(name: str, got: torch.Tensor, ref_dist) -> None:
     ],
 )
 def test_encode_matches_diffusers(name, shape, chunk):
-    ref, ours = make_pair(name)
-    x = clip(*shape, batch=2 if shape[0] == 1 else 1)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    got = ours.moments(x, chunk_frames=chunk)
-    check_moments(f"{name} {shape} chunk={chunk}", got, expected)
-    assert got.shape[2] == ours.latent_frames(shape[0])
-    assert got.shape[-1] * ours.spatial_scale == shape[-1]
+    helpers.check_encode(
+        f"{name} {shape} chunk={chunk}", *make_pair(name), shape, chunk_frames=chunk
+    )
 
 
 @pytest.mark.parametrize("name", ["wan2.1", "wan2.2"])
 def test_chunkings_agree(name):
     """Whole clip, 4-frame and 8-frame chunks: the same stream."""
     _, ours = make_pair(name)
-    x = clip(17, 32, 32)
+    x = rgb_video(17, 32, 32)
     whole = ours.moments(x, chunk_frames=0)
     for chunk in (4, 8):
         torch.testing.assert_close(ours.moments(x, chunk_frames=chunk), whole, rtol=0, atol=2e-6)
@@ -168,19 +104,7 @@ def test_chunkings_agree(name):
     [("wan2.1", 32, 24, (40, 56)), ("wan2.2", 32, 16, (64, 96)), ("qwen-image", 32, 16, (48, 40))],
 )
 def test_tiled_matches_diffusers(name, size, stride, hw):
-    ref, ours = make_pair(name)
-    ref.enable_tiling(
-        tile_sample_min_height=size,
-        tile_sample_min_width=size,
-        tile_sample_stride_height=stride,
-        tile_sample_stride_width=stride,
-    )
-    x = clip(5, *hw)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    got = ours.moments(x, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
-    check_moments(f"{name} tiled", got, expected)
-    assert not torch.allclose(ours.moments(x), got)
+    helpers.check_tiled_encode(name, *make_pair(name), rgb_video(5, *hw), size, stride)
 
 
 def test_attention_in_down_stages_refused():
@@ -191,7 +115,7 @@ def test_attention_in_down_stages_refused():
 
 def test_image_input_and_normalize():
     _, ours = make_pair("qwen-image")
-    x = clip(1, 16, 16)
+    x = rgb_video(1, 16, 16)
     torch.testing.assert_close(ours.moments(x[:, :, 0]), ours.moments(x)[:, :, 0])
     enc = wan.Encoder({**ours.config, "latents_mean": [1.0] * 4, "latents_std": [4.0] * 4})
     z = torch.randn(1, 4, 2, 2, 2)
@@ -201,27 +125,22 @@ def test_image_input_and_normalize():
 @pytest.mark.parametrize("name", ["wan2.2", "qwen-image"])
 def test_convert_diffusers_folder(tmp_path, name):
     ref, ours = make_pair(name)
-    config, state = wan.convert(saved(ref, tmp_path / "vae"))
+    x = rgb_video(5, 32, 32)
+    config, loaded = helpers.check_folder_import(wan, ref, ours, tmp_path / "vae", x)
     assert config["variant"] == name
-    loaded = wan.Encoder(config).eval()
-    loaded.load_state_dict(state)
-    x = clip(5, 32, 32)
-    torch.testing.assert_close(loaded.moments(x), ours.moments(x), rtol=0, atol=0)
     assert (
         loaded.normalize(torch.ones(1, ours.latent_channels, 1, 1, 1)).shape[1]
         == ours.latent_channels
     )
 
 
+def test_stages_hold_every_parameter_in_order():
+    helpers.check_encoder_stages(make_pair("wan2.1")[1])
+
+
 @pytest.mark.parametrize("name", list(wan.SYNTHETIC))
 def test_synthetic_weights(name):
-    enc = wan.Encoder(wan.SYNTHETIC[name]).eval()
-    wan.init_synthetic(enc, torch.Generator().manual_seed(0))
-    x = enc.probe_input(torch.Generator().manual_seed(1))
-    m = enc.moments(x)
-    assert m.shape[1] == 2 * enc.latent_channels
-    assert m.shape[2] == enc.latent_frames(x.shape[2])
-    assert torch.isfinite(m).all() and 0.05 < m.std() < 20
+    helpers.check_synthetic_encoder(wan, name)
 
 
 # --- original single files -------------------------------------------------------------------
@@ -276,7 +195,7 @@ def test_original_layout_writer_is_diffusers_own():
     from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 
     ref, _ = make_pair("wan2.1-deep")
-    state = {k: v for k, v in ref.state_dict().items() if k.startswith(("encoder.", "quant_conv."))}
+    state = {k: v for k, v in ref.state_dict().items() if k.startswith(helpers.ENCODER_PARTS)}
     original = original_layout(state)
     original.pop("decoder.conv1.weight")
     theirs = convert_wan_vae_to_diffusers(original)
@@ -303,12 +222,9 @@ def test_convert_original_single_file(tmp_path, name, suffix):
     config, loaded_state = wan.convert(path)
     assert config["variant"] == name.split("-")[0]
     assert config["latents_std"][0] != 1.0  # the published statistics
-    loaded = wan.Encoder(config).eval()
-    loaded.load_state_dict(loaded_state)
-    x = clip(5, 32, 32)
-    with torch.no_grad():
-        expected = ref.encode(x).latent_dist
-    check_moments(f"{name} original file", loaded.moments(x), expected)
+    loaded = helpers.encoder_from(wan, config, loaded_state)
+    x = rgb_video(5, 32, 32)
+    check_moments(f"{name} original file", loaded.moments(x), reference_dist(ref, x))
 
 
 def test_original_file_without_published_statistics_refused(tmp_path):
@@ -327,23 +243,8 @@ def test_original_file_without_published_statistics_refused(tmp_path):
     ],
 )
 def test_working_bytes_cover_the_measured_peak(config, shape):
-    """The memory plan's estimate against the peak live tensor bytes of an encode of the
-    published architecture, measured on the meta device: enough, and not wildly more."""
-    from bench.meta_memory import live_peak
-
-    with torch.device("meta"):
-        enc = wan.Encoder(config).eval()
-    x = torch.empty(shape, device="meta")
-    peak = live_peak(lambda: enc.moments(x))
-    estimate = enc.working_bytes(shape, 4)
-    print(f"{shape}: peak {peak / 2**20:.0f} MiB, estimate {estimate / 2**20:.0f} MiB")
-    assert peak <= estimate <= 1.5 * peak
+    helpers.check_working_bytes(wan, config, shape)
 
 
 def test_bad_input_is_a_value_error():
-    enc = wan.Encoder(wan.SYNTHETIC[next(iter(wan.SYNTHETIC))]).eval()
-    s = enc.spatial_scale
-    with pytest.raises(ValueError, match="multiples of"):
-        enc.moments(torch.zeros(1, 3, 1, s, s + s // 2))
-    with pytest.raises(ValueError, match="expected"):
-        enc.moments(torch.zeros(1, 4, 1, s, s))
+    helpers.check_bad_input_refused(wan)

@@ -77,9 +77,7 @@ def test_decode_matches_diffusers_default(pairs, name, shape):
     ref, ours, config = pairs[name]
     b, t, h, w = shape
     z = latent(b, config["latent_channels"], t, h, w)
-    expected = ref.decode(z).sample
-    assert expected.shape[2] == ours.frames_out(t)
-    assert expected.shape[-1] == w * ours.spatial_scale
+    expected = helpers.checked_reference_decode(ref, ours, z)
     check(f"{name} {shape}", ours.decode(z), expected)
     streamed = torch.cat(list(ours.iter_decode(z)), 2)
     assert torch.equal(streamed, ours.decode(z))
@@ -180,42 +178,13 @@ def test_geometry(pairs):
 
 
 # --- original checkpoints ------------------------------------------------------------------------
-def original_config(ref: AutoencoderKLHunyuanVideo) -> dict:
-    """The original ``vae/config.json`` (Tencent's ``AutoencoderKLCausal3D``) of ``ref``."""
-    c = ref.config
-    n = len(c.block_out_channels)
-    return {
-        "_class_name": "AutoencoderKLCausal3D",
-        "act_fn": "silu",
-        "block_out_channels": list(c.block_out_channels),
-        "down_block_types": ["DownEncoderBlockCausal3D"] * n,
-        "in_channels": 3,
-        "latent_channels": c.latent_channels,
-        "layers_per_block": c.layers_per_block,
-        "norm_num_groups": c.norm_num_groups,
-        "out_channels": 3,
-        "sample_size": 256,
-        "sample_tsize": 64,
-        "up_block_types": ["UpDecoderBlockCausal3D"] * n,
-        "scaling_factor": 0.476986,
-        "time_compression_ratio": 4,
-        "mid_block_add_attention": c.mid_block_add_attention,
-    }
-
-
-def original_checkpoint(ref: AutoencoderKLHunyuanVideo) -> dict:
-    """``pytorch_model.pt`` as hyvideo's ``load_vae`` reads it: ``state_dict``, ``vae.`` keys."""
-    state = {f"vae.{k}": v.contiguous() for k, v in ref.state_dict().items()}
-    return {"state_dict": {**state, "loss.logvar": torch.zeros(())}}  # a training leftover
-
-
 @pytest.mark.parametrize("name", ["base", "three-no-attn"])
 @pytest.mark.parametrize("as_folder", [True, False], ids=["folder", "file"])
 @torch.no_grad()
 def test_convert_original_checkpoint(pairs, tmp_path, name, as_folder):
     ref, ours, config = pairs[name]
-    torch.save(original_checkpoint(ref), tmp_path / "pytorch_model.pt")
-    (tmp_path / "config.json").write_text(json.dumps(original_config(ref)))
+    torch.save(helpers.hunyuan_original_checkpoint(ref), tmp_path / "pytorch_model.pt")
+    (tmp_path / "config.json").write_text(json.dumps(helpers.hunyuan_original_config(ref)))
     source = tmp_path if as_folder else tmp_path / "pytorch_model.pt"
     got_config, got_state = hunyuan_video.convert(source)
     assert got_config == config
@@ -281,7 +250,7 @@ def test_refuses_foreign_configs(tmp_path, raw, match):
 def test_refuses_unknown_missing_and_misshaped_keys(pairs, tmp_path):
     ref, _, _ = pairs["base"]
     state = {k: v.contiguous() for k, v in ref.state_dict().items()}
-    (tmp_path / "config.json").write_text(json.dumps(original_config(ref)))
+    (tmp_path / "config.json").write_text(json.dumps(helpers.hunyuan_original_config(ref)))
     path = tmp_path / "pytorch_model.safetensors"
     save_file({**state, "decoder.up_blocks.0.resnets.0.extra.weight": torch.zeros(1)}, str(path))
     with pytest.raises(ValueError, match="unexpected .*extra.weight"):

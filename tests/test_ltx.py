@@ -12,23 +12,11 @@ from diffusers.loaders.single_file_utils import convert_ltx_vae_checkpoint_to_di
 from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
 from safetensors.torch import save_file
 
-from app import timing
 from app.decoders import ltx
 from app.decoders.ltx.model import decoder_spec
 from app.decoders.ops import WEIGHT_HEAVY, conv3d
-from app.timing import PhaseTimer
-from tests.helpers import (
-    decoder_state,
-    import_pair,
-    latent,
-    ltx_decode,
-    noise_scales_count,
-    report,
-    saved,
-    seeded,
-    synthetic_twins,
-    with_stats,
-)
+from tests import helpers
+from tests.helpers import decoder_state, latent, report, seeded, with_stats
 
 # a tiny encoder: diffusers always builds one, the tests never use it
 ENCODER = dict(block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1))
@@ -68,14 +56,14 @@ TIMESTEP = 0.05
 SEED = 7
 pytestmark = pytest.mark.usefixtures("one_thread")
 # diffusers' decode at the tests' timestep, its noise seeded like ours
-reference_decode = partial(ltx_decode, timestep=TIMESTEP, seed=SEED)
+reference_decode = partial(helpers.ltx_decode, timestep=TIMESTEP, seed=SEED)
 
 
 def make_pair(variant: str) -> tuple[AutoencoderKLLTXVideo, ltx.Decoder]:
     """A diffusers VAE with random weights and our decoder loaded from its state dict."""
     kwargs = VARIANTS[variant]
     ref = seeded(AutoencoderKLLTXVideo, latent_channels=LATENT_CHANNELS, **ENCODER, **kwargs)
-    noise_scales_count(ref)
+    helpers.noise_scales_count(ref)
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()}
     ours = ltx.Decoder({"latent_channels": LATENT_CHANNELS, **config}).eval()
     ours.load_state_dict(decoder_state(ref))
@@ -103,18 +91,7 @@ def test_decode_matches_diffusers(variant, frames):
 def test_temporal_chunks_are_exact(variant):
     """One latent frame at a time, carried state across chunks == one pass."""
     _, ours = make_pair(variant)
-    z = clip(4, 2, 2)
-    whole = ours.decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=0)
-    pieces = list(ours.iter_decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=1))
-    streamed = torch.cat(pieces, 2)
-    assert report(f"{variant} chunk=1 vs whole", streamed, whole) >= 0.99999
-    assert (streamed - whole).abs().max() < 1e-5
-    # bounded: no piece is larger than one latent frame's worth at the last stage (+1 flush)
-    assert max(p.shape[2] for p in pieces) <= ours.temporal_scale + 1
-    # the plain forward is the same one pass over the same stages
-    cond = ours.conditioning(z, {"timestep": TIMESTEP, "seed": SEED})
-    with torch.no_grad():
-        torch.testing.assert_close(ours(z, cond), whole, rtol=0, atol=0)
+    helpers.check_temporal_chunks(variant, ours, clip(4, 2, 2), timestep=TIMESTEP, seed=SEED)
 
 
 def test_noise_seed():
@@ -171,22 +148,11 @@ def test_geometry_and_timer():
     assert (ours.spatial_scale, ours.temporal_scale, ours.frames_out(3)) == (32, 8, 17)
     probe = ours.probe_latent(torch.Generator().manual_seed(0))
     assert probe.shape == (1, LATENT_CHANNELS, 2, 4, 4)
-    timing.instrument(ours.stages())
-    timer = PhaseTimer()
-    with timer.active():
-        ours.decode(probe, seed=0)
-    assert list(timer.phases()) == [
-        "condition",
-        "conv_in",
-        "mid",
-        "up_0",
-        "up_1",
-        "up_2",
-        "conv_out",
-    ]
-    with timer.active():
-        ours.decode(probe, seed=0, tiled=True, tile_size=2, tile_overlap=1)
-    assert "blend" in timer.phases()
+    phases = helpers.stage_phases(ours, probe, seed=0)
+    assert phases == ["condition", "conv_in", "mid", "up_0", "up_1", "up_2", "conv_out"]
+    assert "blend" in helpers.stage_phases(
+        ours, probe, seed=0, tiled=True, tile_size=2, tile_overlap=1
+    )
     untiled = ours.decode(probe, seed=0)  # the old option name "tile" is no longer read
     assert torch.equal(ours.decode(probe, seed=0, tile=True, tile_size=2), untiled)
     image = ours.decode(probe[:, :, 0], seed=0)  # an image latent: one frame, 4-D out
@@ -199,7 +165,7 @@ def test_geometry_and_timer():
 
 def test_synthetic_is_deterministic():
     config = ltx.SYNTHETIC["ltx-tiny"]
-    synthetic_twins(ltx, config, seed=3)
+    helpers.synthetic_twins(ltx, config, seed=3)
     json.dumps(config)  # a store manifest holds it
 
 
@@ -207,7 +173,7 @@ def test_synthetic_is_deterministic():
 @pytest.mark.parametrize("variant", ["v090", "v091"])
 def test_convert_diffusers_folder(variant, tmp_path):
     ref, _ = make_pair(variant)
-    _, ours, config = import_pair(with_stats(ref), ltx, tmp_path / "pipe")
+    _, ours, config = helpers.import_pair(with_stats(ref), ltx, tmp_path / "pipe")
     assert ltx.convert(tmp_path / "pipe" / "vae")[0] == config
     z = clip(2)
     got = ours.decode(z, timestep=TIMESTEP, seed=SEED)
@@ -247,17 +213,9 @@ def lightricks_checkpoint(ref: AutoencoderKLLTXVideo) -> tuple[dict, dict]:
 
 
 def _original_name(key: str, blocks: list[tuple[str, list]]) -> str:
-    for j, (path, (kind, _)) in sorted(enumerate(blocks), key=lambda b: -len(b[1][0])):
-        if key.startswith(path + "."):
-            rest = key[len(path) + 1 :]
-            rest = rest.replace("resnets.", "res_blocks.") if kind == "res_x" else rest
-            key = f"up_blocks.{j}.{rest}"
-            break
-    key = key.replace("conv_shortcut.conv.", "conv_shortcut.").replace("norm3.", "norm3.norm.")
-    for new, old in (("time_embedder.", "last_time_embedder."),
-                     ("scale_shift_table", "last_scale_shift_table")):  # fmt: skip
-        key = old + key[len(new) :] if key.startswith(new) else key
-    return key
+    """Lightricks' name, 0.9.0's channel-changing resnets (norm3, 1x1 shortcut) included."""
+    key = helpers.lightricks_decoder_name(key, blocks)
+    return key.replace("conv_shortcut.conv.", "conv_shortcut.").replace("norm3.", "norm3.norm.")
 
 
 @pytest.mark.parametrize("variant", ["v090", "v091", "residual-p2"])
@@ -272,7 +230,7 @@ def test_convert_lightricks_single_file(variant, tmp_path):
     path = tmp_path / "ltx-video.safetensors"
     save_file(tensors, str(path), metadata={"config": json.dumps(meta)})
     config, state = ltx.convert(path)
-    folder_config, folder_state = ltx.convert(saved(ref, tmp_path / "vae"))
+    folder_config, folder_state = ltx.convert(helpers.saved(ref, tmp_path / "vae"))
     assert state.keys() == folder_state.keys()
     assert all(torch.equal(state[k], folder_state[k]) for k in state)
     assert decoder_spec(config) == decoder_spec(folder_config)

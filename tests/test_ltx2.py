@@ -12,23 +12,10 @@ from diffusers.loaders.single_file_utils import convert_ltx2_vae_to_diffusers
 from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 from safetensors.torch import save_file
 
-from app import timing
 from app.decoders import ltx
 from app.decoders.ltx.ltx2 import ltx2_spec
-from app.timing import PhaseTimer
-from tests.helpers import (
-    decoder_from,
-    decoder_state,
-    import_pair,
-    latent,
-    ltx_decode,
-    noise_scales_count,
-    report,
-    saved,
-    seeded,
-    synthetic_twins,
-    with_stats,
-)
+from tests import helpers
+from tests.helpers import decoder_state, latent, report, seeded, with_stats
 
 # a tiny encoder (diffusers always builds one); 3 scaling stages, so its compression ratio
 # (which diffusers' tiling sizes tiles by) is the released decoder's 32
@@ -77,7 +64,7 @@ TIMESTEP = 0.05
 SEED = 7
 pytestmark = pytest.mark.usefixtures("one_thread")
 # diffusers' decode at the tests' timestep (unless a test says otherwise), its noise seeded like ours
-reference_decode = partial(ltx_decode, timestep=TIMESTEP, seed=SEED)
+reference_decode = partial(helpers.ltx_decode, timestep=TIMESTEP, seed=SEED)
 
 
 def _config(ref: AutoencoderKLLTX2Video) -> dict:
@@ -89,7 +76,7 @@ def _config(ref: AutoencoderKLLTX2Video) -> dict:
 def make_pair(variant: str) -> tuple[AutoencoderKLLTX2Video, ltx.Decoder]:
     config = dict(latent_channels=LATENT_CHANNELS, **ENCODER, **VARIANTS[variant])
     ref = seeded(AutoencoderKLLTX2Video, **config)
-    noise_scales_count(ref)
+    helpers.noise_scales_count(ref)
     ours = ltx.Decoder(_config(ref)).eval()
     ours.load_state_dict(decoder_state(ref))
     return ref, ours
@@ -118,16 +105,7 @@ def test_decode_matches_diffusers(variant, shape):
 @pytest.mark.parametrize("variant", ["released", "kinds-causal", "factor1-zeros"])
 def test_temporal_chunks_are_exact(variant):
     _, ours = make_pair(variant)
-    z = clip(4, 2, 3)
-    whole = ours.decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=0)
-    pieces = list(ours.iter_decode(z, timestep=TIMESTEP, seed=SEED, chunk_frames=1))
-    streamed = torch.cat(pieces, 2)
-    assert report(f"{variant} chunk=1 vs whole", streamed, whole) >= 0.99999
-    assert (streamed - whole).abs().max() < 1e-5
-    assert max(p.shape[2] for p in pieces) <= ours.temporal_scale + 1  # bounded pieces
-    cond = ours.conditioning(z, {"timestep": TIMESTEP, "seed": SEED})
-    with torch.no_grad():
-        torch.testing.assert_close(ours(z, cond), whole, rtol=0, atol=0)
+    helpers.check_temporal_chunks(variant, ours, clip(4, 2, 3), timestep=TIMESTEP, seed=SEED)
 
 
 def test_causal_first_frame_is_independent_of_later_frames():
@@ -173,19 +151,8 @@ def test_geometry_stages_and_dispatch():
     _, released = make_pair("released")
     assert (released.spatial_scale, released.temporal_scale, released.frames_out(3)) == (32, 8, 17)
     probe = ours.probe_latent(torch.Generator().manual_seed(0))
-    timing.instrument(ours.stages())
-    timer = PhaseTimer()
-    with timer.active():
-        ours.decode(probe, seed=0)
-    assert list(timer.phases()) == [
-        "condition",
-        "conv_in",
-        "mid",
-        "up_0",
-        "up_1",
-        "up_2",
-        "conv_out",
-    ]
+    phases = helpers.stage_phases(ours, probe, seed=0)
+    assert phases == ["condition", "conv_in", "mid", "up_0", "up_1", "up_2", "conv_out"]
     image = ours.decode(probe[:, :, 0], seed=0)
     assert torch.equal(image, ours.decode(probe[:, :, :1], seed=0)[:, :, 0])
     # no "version": the 0.9.x decoder, as every stored ltx model before LTX-2
@@ -198,7 +165,7 @@ def test_geometry_stages_and_dispatch():
 
 def test_synthetic_is_deterministic_and_json():
     config = ltx.SYNTHETIC["ltx2-tiny"]
-    synthetic_twins(ltx, config, seed=3)
+    helpers.synthetic_twins(ltx, config, seed=3)
     assert json.loads(json.dumps(config)) == config
 
 
@@ -219,7 +186,7 @@ def _check_converted(ref: AutoencoderKLLTX2Video, ours: ltx.Decoder, config: dic
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_convert_diffusers_folder(variant, tmp_path):
     ref = with_stats(make_pair(variant)[0])
-    _, ours, config = import_pair(ref, ltx, tmp_path / "pipe")
+    _, ours, config = helpers.import_pair(ref, ltx, tmp_path / "pipe")
     assert ltx.convert(tmp_path / "pipe" / "vae")[0] == config
     _check_converted(ref, ours, config, variant)
 
@@ -251,19 +218,7 @@ def lightricks_file(ref: AutoencoderKLLTX2Video, extra: dict | None = None) -> t
         )
     tensors = {}
     for key, value in decoder_state(ref).items():
-        for j, (path, (kind, _)) in sorted(enumerate(blocks), key=lambda b: -len(b[1][0])):
-            if key.startswith(path + "."):
-                rest = key[len(path) + 1 :]
-                key = f"up_blocks.{j}." + (
-                    rest.replace("resnets.", "res_blocks.") if kind == "res_x" else rest
-                )
-                break
-        for new, old in (
-            ("time_embedder.", "last_time_embedder."),
-            ("scale_shift_table", "last_scale_shift_table"),
-        ):
-            key = old + key[len(new) :] if key.startswith(new) else key
-        tensors["vae.decoder." + key] = value.contiguous()
+        tensors["vae.decoder." + helpers.lightricks_decoder_name(key, blocks)] = value.contiguous()
     tensors["vae.per_channel_statistics.mean-of-means"] = ref.latents_mean.clone()
     tensors["vae.per_channel_statistics.std-of-means"] = ref.latents_std.clone()
     tensors["vae.per_channel_statistics.channel"] = torch.arange(LATENT_CHANNELS)
@@ -303,8 +258,10 @@ def test_convert_lightricks_single_file(variant, tmp_path):
     path = tmp_path / "ltx-2-19b-dev.safetensors"
     save_file(tensors, str(path), metadata=meta)
     config, state = ltx.convert(path)
-    folder_config, folder_state = ltx.convert(saved(ref, tmp_path / "vae"))
+    folder_config, folder_state = ltx.convert(helpers.saved(ref, tmp_path / "vae"))
     assert state.keys() == folder_state.keys()
     assert all(torch.equal(state[k], folder_state[k]) for k in state)
     assert ltx2_spec(config) == ltx2_spec(folder_config)
-    _check_converted(ref, decoder_from(ltx, config, state), config, f"{variant} single file")
+    _check_converted(
+        ref, helpers.decoder_from(ltx, config, state), config, f"{variant} single file"
+    )

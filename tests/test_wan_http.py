@@ -31,10 +31,7 @@ MODELS = {
         dict(
             _SMALL,
             z_dim=48,
-            is_residual=True,
-            patch_size=2,
-            in_channels=12,
-            out_channels=12,
+            **helpers.WAN22_PATCHED,
             scale_factor_spatial=16,
             latents_mean=[0.1] * 48,
             latents_std=[0.8] * 48,

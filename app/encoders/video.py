@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from app.decoders import ops
+from app.decoders.checkpoint import read_tensors, state_mismatch
 from app.decoders.tiling import Grid, blend_edge
 
 ENCODER_PREFIXES = ("encoder.", "quant_conv.")
@@ -31,6 +31,27 @@ def check_input(x: Tensor, channels: int, multiple: int) -> None:
     h, w = x.shape[-2:]
     if h % multiple or w % multiple or not h or not w:
         raise ValueError(f"frame {h}x{w}: height and width must be multiples of {multiple}")
+
+
+def as_clip(x: Tensor, like: Tensor, channels: int, multiple: int) -> tuple[Tensor, bool]:
+    """``x`` checked (``check_input``), on ``like``'s device and dtype, as a clip
+    ``[B, C, T, H, W]``; and whether it was an image (whose moments go back 4-D)."""
+    check_input(x, channels, multiple)
+    x = x.to(device=like.device, dtype=like.dtype)
+    return (x.unsqueeze(2), True) if x.ndim == 4 else (x, False)
+
+
+def stages(
+    stem: list[nn.Module], down_blocks: nn.ModuleList, mid: nn.Module | None, head: list[nn.Module]
+) -> list[tuple[str, nn.Module]]:
+    """A video encoder's timed stages, in order: ``conv_in`` (``stem``), ``down_i``, ``mid``
+    (where there is one) and ``conv_out`` (``head``: the output norm to ``quant_conv``)."""
+    return [
+        *(("conv_in", m) for m in stem),
+        *((f"down_{i}", block) for i, block in enumerate(down_blocks)),
+        *([("mid", mid)] if mid is not None else []),
+        *(("conv_out", m) for m in head),
+    ]
 
 
 def tiled(run: Callable[[Tensor], Tensor], x: Tensor, ratio: int, size: int, stride: int) -> Tensor:
@@ -78,11 +99,13 @@ def normalize(z: Tensor, mean: Tensor, std: Tensor, scaling_factor: float = 1.0)
     return (z - mean) * scaling_factor / std
 
 
-def latent_stats(config: dict[str, Any], channels: int) -> tuple[Tensor, Tensor]:
-    """The config's ``latents_mean`` / ``latents_std`` (zeros / ones where absent)."""
+def register_latent_stats(encoder: nn.Module, config: dict[str, Any], channels: int) -> None:
+    """The config's ``latents_mean`` / ``latents_std`` (zeros / ones where absent) as the
+    encoder's float32 buffers of those names (not in its state dict)."""
     mean = config.get("latents_mean") or [0.0] * channels
     std = config.get("latents_std") or [1.0] * channels
-    return torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
+    for name, values in (("latents_mean", mean), ("latents_std", std)):
+        encoder.register_buffer(name, torch.tensor(values, dtype=torch.float32), persistent=False)
 
 
 def read_vae_folder(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -103,15 +126,7 @@ def read_single_file(path: Path, prefixes: tuple[str, ...] = ()) -> dict[str, Te
     """Tensors of a safetensors file, or of a pickled ``.pth`` / ``.pt`` / ``.ckpt`` read with
     ``weights_only=True`` (no code runs; a ``state_dict`` entry is unwrapped); the first of
     ``prefixes`` that every key has is dropped."""
-    path = Path(path)
-    if path.suffix in (".pth", ".pt", ".ckpt"):
-        loaded = torch.load(str(path), map_location="cpu", weights_only=True)
-        loaded = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: a pickle of {type(loaded).__name__}, not a state dict")
-        tensors = {k: v for k, v in loaded.items() if isinstance(v, Tensor)}
-    else:
-        tensors = load_file(str(path))
+    tensors = read_tensors(Path(path))
     for prefix in prefixes:
         if tensors and all(k.startswith(prefix) for k in tensors):
             return {k[len(prefix) :]: v for k, v in tensors.items()}
@@ -121,15 +136,9 @@ def read_single_file(path: Path, prefixes: tuple[str, ...] = ()) -> dict[str, Te
 def check_state(encoder_cls: Any, config: dict[str, Any], state: dict[str, Tensor], where: Path):
     """The converted names and shapes must be exactly ``encoder_cls(config)``'s (on meta)."""
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in encoder_cls(config).state_dict().items()}
-    got = {k: v.shape for k, v in state.items()}
-    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-    bad = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
-    if missing or extra or bad:
-        raise ValueError(
-            f"{where}: the encoder weights do not fit their config: missing {missing[:5]}, "
-            f"unexpected {extra[:5]}, wrong shape {bad[:5]}"
-        )
+        encoder = encoder_cls(config)
+    if problem := state_mismatch(encoder, state):
+        raise ValueError(f"{where}: the encoder weights do not fit their config: {problem}")
 
 
 def encoder_state(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -8,6 +8,7 @@ Forest Labs' / LDM single files (``ae.safetensors``) by the name map below.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,9 @@ from torch import Tensor
 from app.decoders import ops
 from app.decoders.flux.model import FLUX1_CONFIG
 
-# BFL / LDM single-file names -> ours, for the parts that are not per up block.
-_LDM_FIXED = {
+# BFL / LDM single-file names -> ours, for the parts that are not per up (or down) block;
+# the encoder's convert reads its single files with these helpers too.
+LDM_FIXED = {
     "conv_in": "conv_in",
     "mid.block_1": "mid_block.resnets.0",
     "mid.block_2": "mid_block.resnets.1",
@@ -30,7 +32,7 @@ _LDM_FIXED = {
     "norm_out": "conv_norm_out",
     "conv_out": "conv_out",
 }
-_SINGLE_FILE_PREFIXES = ("first_stage_model.", "vae.", "ae.")
+SINGLE_FILE_PREFIXES = ("first_stage_model.", "vae.", "ae.")
 
 
 def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -41,11 +43,50 @@ def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     return _convert_single_file(source)
 
 
-def _convert_diffusers_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+def read_diffusers_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(config.json, every tensor) of a diffusers ``vae/`` folder, or of the pipeline folder
+    holding one."""
     if not (folder / "config.json").exists() and (folder / "vae" / "config.json").exists():
         folder = folder / "vae"
-    raw = json.loads((folder / "config.json").read_text())
-    state = ops.read_safetensors_folder(folder)
+    return json.loads((folder / "config.json").read_text()), ops.read_safetensors_folder(folder)
+
+
+def read_single_file(path: Path, half: str) -> dict[str, Tensor]:
+    """Every tensor of a BFL/LDM single file, without the first of ``SINGLE_FILE_PREFIXES``
+    that ``half`` (``"decoder."`` or ``"encoder."``) stands under."""
+    with safe_open(str(path), framework="pt") as f:
+        raw = {k: f.get_tensor(k) for k in f.keys()}
+    for prefix in SINGLE_FILE_PREFIXES:
+        if any(k.startswith(prefix + half) for k in raw):
+            return {k.removeprefix(prefix): v for k, v in raw.items() if k.startswith(prefix)}
+    return raw
+
+
+def from_ldm(tensors: dict[str, Tensor], name_of: Callable[[str], str]) -> dict[str, Tensor]:
+    """One half's LDM tensors (its prefix dropped) in our names: ``name_of`` maps each module
+    path; the attention projections, 1x1 convs in BFL's files, become linear weights."""
+    state: dict[str, Tensor] = {}
+    for key, value in tensors.items():
+        name, leaf = key.rsplit(".", 1)
+        ours = name_of(name)
+        if ours.startswith("mid_block.attentions.0.to_") and value.ndim == 4:
+            value = value[:, :, 0, 0]  # BFL stores the attention projections as 1x1 convs
+        state[f"{ours}.{leaf}"] = value.contiguous()
+    return state
+
+
+def fixed_ldm_name(name: str, fixed: dict[str, str]) -> str | None:
+    """Our name for an LDM module path of the parts in ``fixed`` (or under one), else None."""
+    if name in fixed:
+        return fixed[name]
+    for ldm, ours in fixed.items():
+        if name.startswith(ldm + "."):
+            return ours + name[len(ldm) :]
+    return None
+
+
+def _convert_diffusers_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    raw, state = read_diffusers_folder(folder)
     config = {key: raw[key] for key in FLUX1_CONFIG if key in raw}
     config["block_out_channels"] = (
         raw.get("decoder_block_out_channels") or raw["block_out_channels"]
@@ -65,23 +106,12 @@ def _convert_diffusers_folder(folder: Path) -> tuple[dict[str, Any], dict[str, T
 
 
 def _convert_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    with safe_open(str(path), framework="pt") as f:
-        raw = {k: f.get_tensor(k) for k in f.keys()}
-    for prefix in _SINGLE_FILE_PREFIXES:
-        if any(k.startswith(prefix + "decoder.") for k in raw):
-            raw = {k.removeprefix(prefix): v for k, v in raw.items() if k.startswith(prefix)}
-            break
+    raw = read_single_file(path, "decoder.")
     dec = {k.removeprefix("decoder."): v for k, v in raw.items() if k.startswith("decoder.")}
     if not dec:
         raise ValueError(f"{path}: no decoder.* tensors: not a FLUX/LDM autoencoder checkpoint")
     n_up = 1 + max(int(k.split(".")[1]) for k in dec if k.startswith("up."))
-    state: dict[str, Tensor] = {}
-    for key, value in dec.items():
-        name, leaf = key.rsplit(".", 1)
-        ours = _ldm_name(name, n_up)
-        if ours.startswith("mid_block.attentions.0.to_") and value.ndim == 4:
-            value = value[:, :, 0, 0]  # BFL stores the attention projections as 1x1 convs
-        state[f"{ours}.{leaf}"] = value.contiguous()
+    state = from_ldm(dec, lambda name: _ldm_name(name, n_up))
     for key in ("post_quant_conv.weight", "post_quant_conv.bias"):
         if key in raw:
             state[key] = raw[key]
@@ -92,11 +122,8 @@ def _convert_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]
 
 
 def _ldm_name(name: str, n_up: int) -> str:
-    if name in _LDM_FIXED:
-        return _LDM_FIXED[name]
-    for ldm, ours in _LDM_FIXED.items():
-        if name.startswith(ldm + "."):
-            return ours + name[len(ldm) :]
+    if (fixed := fixed_ldm_name(name, LDM_FIXED)) is not None:
+        return fixed
     parts = name.split(".")  # up.{i}.block.{j}.rest | up.{i}.upsample.conv
     if parts[0] != "up":
         raise ValueError(f"unexpected decoder tensor {name!r}")

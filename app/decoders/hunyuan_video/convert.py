@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from app.decoders import ops
+from app.decoders.checkpoint import decoder_part, state_mismatch
 from app.decoders.hunyuan_video.model import Architecture, up_factors
 
 SCALING_FACTOR = 0.476986  # HunyuanVideo's published latent scale
@@ -42,25 +43,50 @@ def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """A diffusers folder, the original folder or an original single file -> (config, state)."""
     source = Path(source)
     if source.is_dir():
-        folder = source / "vae" if (source / "vae" / "config.json").exists() else source
-        raw = json.loads((folder / "config.json").read_text())
+        folder, raw = config_folder(source)
         if raw.get("_class_name") == ORIGINAL_CLASS:
-            path = next((folder / f for f in WEIGHT_FILES if (folder / f).exists()), None)
-            if path is None:
-                raise ValueError(f"{folder}: an {ORIGINAL_CLASS} config without {WEIGHT_FILES}")
+            path = original_weights(folder)
             config, state = _config(raw, folder), _decoder_part(_read_file(path), path)
         else:
             config = _config(raw, folder)
             state = _decoder_part(ops.read_safetensors_folder(folder), folder)
     else:
         state = _decoder_part(_read_file(source), source)
-        beside = source.parent / "config.json"
-        if beside.exists():
-            config = _config(json.loads(beside.read_text()), source.parent)
-        else:
-            config = _infer_config(state, source)
+        raw = config_beside(source)
+        config = _infer_config(state, source) if raw is None else _config(raw, source.parent)
     check_state(config, state, source)
     return config, state
+
+
+# --- what the encoder's convert reads the same way (app/encoders/hunyuan_video/convert.py) ---
+def config_folder(source: Path) -> tuple[Path, dict[str, Any]]:
+    """The folder of ``source`` that holds the VAE's config.json (``source``, or its ``vae/``
+    in a pipeline folder), and that config."""
+    folder = source / "vae" if (source / "vae" / "config.json").exists() else source
+    return folder, json.loads((folder / "config.json").read_text())
+
+
+def config_beside(path: Path) -> dict[str, Any] | None:
+    """The config.json beside a single file, or None when there is none."""
+    beside = path.parent / "config.json"
+    return json.loads(beside.read_text()) if beside.exists() else None
+
+
+def original_weights(folder: Path) -> Path:
+    """The weight file of an original (``AutoencoderKLCausal3D``) folder: the first of
+    ``WEIGHT_FILES`` there."""
+    path = next((folder / f for f in WEIGHT_FILES if (folder / f).exists()), None)
+    if path is None:
+        raise ValueError(f"{folder}: an {ORIGINAL_CLASS} config without {WEIGHT_FILES}")
+    return path
+
+
+def without_vae_prefix(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """As hyvideo's ``load_vae`` reads a checkpoint: when any key has ``vae.``, only the
+    ``vae.*`` keys, without it."""
+    if any(k.startswith("vae.") for k in tensors):
+        return {k[len("vae.") :]: v for k, v in tensors.items() if k.startswith("vae.")}
+    return tensors
 
 
 def _config(raw: dict[str, Any], where: Path) -> dict[str, Any]:
@@ -112,9 +138,7 @@ def _read_file(path: Path) -> dict[str, Tensor]:
         tensors = {k: v for k, v in loaded.items() if isinstance(v, Tensor)}
     else:
         tensors = load_file(str(path))
-    if any(k.startswith("vae.") for k in tensors):  # as hyvideo's load_vae reads it
-        tensors = {k[len("vae.") :]: v for k, v in tensors.items() if k.startswith("vae.")}
-    return tensors
+    return without_vae_prefix(tensors)
 
 
 def _decoder_part(tensors: dict[str, Tensor], where: Path) -> dict[str, Tensor]:
@@ -124,17 +148,7 @@ def _decoder_part(tensors: dict[str, Tensor], where: Path) -> dict[str, Tensor]:
             f"{where}: not a HunyuanVideo VAE (no decoder.conv_in.conv.weight; saw e.g. "
             f"{sorted(tensors)[:5]})"
         )
-    state, unknown = {}, []
-    for key, value in tensors.items():
-        if key.startswith("decoder."):
-            state[key[len("decoder.") :]] = value
-        elif key.startswith("post_quant_conv."):
-            state[key] = value
-        elif not key.startswith(("encoder.", "quant_conv.")):
-            unknown.append(key)
-    if unknown:
-        raise ValueError(f"{where}: keys of no HunyuanVideo VAE part: {sorted(unknown)[:5]}")
-    return state
+    return decoder_part(tensors, where, "HunyuanVideo")
 
 
 def _infer_config(state: dict[str, Tensor], path: Path) -> dict[str, Any]:
@@ -171,12 +185,7 @@ def check_state(config: dict[str, Any], state: dict[str, Tensor], source: Path) 
             decoder = Architecture(config)
     except ValueError as exc:  # e.g. widths the norm groups do not divide
         raise ValueError(f"{source}: config {config}: {exc}") from None
-    expected = {k: v.shape for k, v in decoder.state_dict().items()}
-    got = {k: v.shape for k, v in state.items()}
-    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-    bad = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
-    if missing or extra or bad:
+    if problem := state_mismatch(decoder, state):
         raise ValueError(
-            f"{source}: the HunyuanVideo checkpoint does not fit its config: "
-            f"missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}"
+            f"{source}: the HunyuanVideo checkpoint does not fit its config: {problem}"
         )

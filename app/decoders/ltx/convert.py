@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch import Tensor
 
 from app.decoders import ops
+from app.decoders.checkpoint import state_mismatch
 from app.decoders.ltx import ltx2
 from app.decoders.ltx.ltx2 import variant_spec
 from app.decoders.ltx.model import DEFAULT_FPS, DEFAULTS, Architecture
@@ -380,12 +381,6 @@ def _has_noise(state: dict[str, Tensor], prefix: str) -> bool:
 def _check_state(config: dict[str, Any], state: dict[str, Tensor]) -> None:
     """The converted names and shapes must be exactly the decoder's (checked on meta)."""
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in Architecture(*variant_spec(config)).state_dict().items()}
-    got = {k: v.shape for k, v in state.items()}
-    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-    bad = [k for k in expected.keys() & got.keys() if expected[k] != got[k]]
-    if missing or extra or bad:
-        raise ValueError(
-            "LTX checkpoint does not fit the inferred decoder config: "
-            f"missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}"
-        )
+        decoder = Architecture(*variant_spec(config))
+    if problem := state_mismatch(decoder, state):
+        raise ValueError(f"LTX checkpoint does not fit the inferred decoder config: {problem}")

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from app.decoders import ops
+from app.decoders.checkpoint import decoder_part, read_tensors, state_mismatch
 from app.decoders.wan.model import Architecture
 
 # Published latent statistics (diffusers' AutoencoderKLWan defaults = Wan 2.1 = Qwen-Image;
@@ -72,7 +74,7 @@ def _from_folder(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
             f"{' and '.join(CLASSES)}"
         )
     tensors = ops.read_safetensors_folder(folder)
-    state = _decoder_part(tensors, folder, "decoder.")
+    state = decoder_part(tensors, folder, "Wan")
     return (_qwen_config(raw) if name == "AutoencoderKLQwenImage" else _wan_config(raw)), state
 
 
@@ -116,28 +118,13 @@ def _qwen_config(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _decoder_part(tensors: dict[str, Tensor], where: Path, prefix: str) -> dict[str, Tensor]:
-    """The decoder's tensors (canonical names); the encoder's are dropped, others refused."""
-    state, unknown = {}, []
-    for key, value in tensors.items():
-        if key.startswith(prefix):
-            state[key[len(prefix) :]] = value
-        elif key.startswith("post_quant_conv."):
-            state[key] = value
-        elif not key.startswith(("encoder.", "quant_conv.")):
-            unknown.append(key)
-    if unknown:
-        raise ValueError(f"{where}: keys of no Wan VAE part: {sorted(unknown)[:5]}")
-    return state
-
-
 # --- original single files --------------------------------------------------------------------
 def _from_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     tensors = _read_file(path)
     if "decoder.middle.0.residual.0.gamma" in tensors:
         state = _from_original(tensors, path)
     elif "decoder.mid_block.resnets.0.norm1.gamma" in tensors:
-        state = _decoder_part(tensors, path, "decoder.")
+        state = decoder_part(tensors, path, "Wan")
     else:
         raise ValueError(
             f"{path}: not a Wan VAE (no decoder.middle.* or decoder.mid_block.* keys; "
@@ -147,17 +134,9 @@ def _from_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
 
 
 def _read_file(path: Path) -> dict[str, Tensor]:
-    """Tensors of a safetensors file, or of a pickled ``.pth``/``.pt`` read with
-    ``weights_only=True`` (no code runs); a ``vae.``-style prefix is dropped."""
-    if path.suffix in (".pth", ".pt", ".ckpt"):
-        file = str(path)
-        loaded = torch.load(file, map_location="cpu", weights_only=True)
-        loaded = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else loaded
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: a pickle of {type(loaded).__name__}, not a state dict")
-        tensors = {k: v for k, v in loaded.items() if isinstance(v, Tensor)}
-    else:
-        tensors = load_file(str(path))
+    """A single file's tensors (``read_tensors``), each ``vae.``-style prefix that every key
+    has dropped."""
+    tensors = read_tensors(path)
     for prefix in PREFIXES:
         if tensors and all(k.startswith(prefix) for k in tensors):
             tensors = {k[len(prefix) :]: v for k, v in tensors.items()}
@@ -179,17 +158,30 @@ def _from_original(tensors: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
     """Original Wan names -> canonical names (the encoder and ``conv1`` dropped)."""
     nested = any(_NESTED.match(k) for k in tensors)
     flat_targets = {} if nested else _flat_targets(tensors)
+    rename = partial(_rename, nested=nested, flat_targets=flat_targets)
+    return renamed(tensors, ("encoder.", "conv1."), rename, path, "decoder")
+
+
+def renamed(
+    tensors: dict[str, Tensor],
+    dropped: tuple[str, ...],
+    rename: Callable[[str], str | None],
+    where: Path,
+    half: str,
+) -> dict[str, Tensor]:
+    """``tensors`` under ``rename``'s names, the keys under ``dropped`` (the other half) left
+    out; a key ``rename`` has no name for is refused, named (the encoder's convert too)."""
     state, unknown = {}, []
     for key, value in tensors.items():
-        if key.startswith(("encoder.", "conv1.")):
+        if key.startswith(dropped):
             continue
-        name = _rename(key, nested, flat_targets)
+        name = rename(key)
         if name is None:
             unknown.append(key)
         else:
             state[name] = value
     if unknown:
-        raise ValueError(f"{path}: keys the Wan decoder does not have: {sorted(unknown)[:5]}")
+        raise ValueError(f"{where}: keys the Wan {half} does not have: {sorted(unknown)[:5]}")
     return state
 
 
@@ -215,18 +207,20 @@ def _flat_targets(tensors: dict[str, Tensor]) -> dict[int, str]:
 def _rename(key: str, nested: bool, flat_targets: dict[int, str]) -> str | None:
     for old, new in _TOP.items():
         if key.startswith(old):
-            return _resnet_part(new, key[len(old) :])
+            return resnet_part(new, key[len(old) :])
     if nested and (m := _NESTED.match(key)):
         i, j, rest = int(m.group(1)), int(m.group(2)), m.group(3)
         if rest.startswith(("resample.", "time_conv.")):
             return f"up_blocks.{i}.upsampler.{rest}"
-        return _resnet_part(f"up_blocks.{i}.resnets.{j}.", rest)
+        return resnet_part(f"up_blocks.{i}.resnets.{j}.", rest)
     if not nested and (m := _FLAT.match(key)):
-        return _resnet_part(flat_targets[int(m.group(1))], m.group(2))
+        return resnet_part(flat_targets[int(m.group(1))], m.group(2))
     return None
 
 
-def _resnet_part(prefix: str, rest: str) -> str:
+def resnet_part(prefix: str, rest: str) -> str:
+    """``prefix`` + an original resnet's ``rest`` in diffusers' names (the encoder's convert
+    renames with it too)."""
     for old, new in _RESNET.items():
         if rest.startswith(old):
             return prefix + new + rest[len(old) :]
@@ -271,12 +265,8 @@ def _infer_config(state: dict[str, Tensor], path: Path) -> dict[str, Any]:
 def check_state(config: dict[str, Any], state: dict[str, Tensor], source: Path) -> None:
     """The converted names and shapes must be exactly the decoder's (checked on meta)."""
     with torch.device("meta"):
-        expected = {k: v.shape for k, v in Architecture(config).state_dict().items()}
-    got = {k: v.shape for k, v in state.items()}
-    missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
-    bad = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
-    if missing or extra or bad:
+        decoder = Architecture(config)
+    if problem := state_mismatch(decoder, state):
         raise ValueError(
-            f"{source}: the Wan checkpoint does not fit its config ({config['variant']}): "
-            f"missing {missing[:5]}, unexpected {extra[:5]}, wrong shape {bad[:5]}"
+            f"{source}: the Wan checkpoint does not fit its config ({config['variant']}): {problem}"
         )

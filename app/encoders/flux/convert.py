@@ -8,31 +8,23 @@ Layouts: a diffusers ``vae/`` folder (or its pipeline folder) of ``AutoencoderKL
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from safetensors import safe_open
 from torch import Tensor
 
-from app.decoders import ops
+from app.decoders.flux.convert import (
+    LDM_FIXED,
+    fixed_ldm_name,
+    from_ldm,
+    read_diffusers_folder,
+    read_single_file,
+)
 from app.encoders.flux.model import ENCODER_CONFIG
 
-# BFL / LDM single-file names -> ours, for the parts that are not per down block.
-_LDM_FIXED = {
-    "conv_in": "conv_in",
-    "mid.block_1": "mid_block.resnets.0",
-    "mid.block_2": "mid_block.resnets.1",
-    "mid.attn_1.norm": "mid_block.attentions.0.group_norm",
-    "mid.attn_1.q": "mid_block.attentions.0.to_q",
-    "mid.attn_1.k": "mid_block.attentions.0.to_k",
-    "mid.attn_1.v": "mid_block.attentions.0.to_v",
-    "mid.attn_1.proj_out": "mid_block.attentions.0.to_out.0",
-    "norm_out": "conv_norm_out",
-    "conv_out": "conv_out",
-    "quant_conv": "quant_conv",  # FLUX.2's BFL file keeps it inside the encoder
-}
-_SINGLE_FILE_PREFIXES = ("first_stage_model.", "vae.", "ae.")
+# BFL / LDM single-file names -> ours, for the parts that are not per down block: the
+# decoder's, and quant_conv, which FLUX.2's BFL file keeps inside the encoder
+_LDM_FIXED = {**LDM_FIXED, "quant_conv": "quant_conv"}
 _TOP_LEVEL = ("quant_conv.", "bn.running_mean", "bn.running_var")
 
 
@@ -46,10 +38,7 @@ def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
 
 
 def _convert_diffusers_folder(folder: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    if not (folder / "config.json").exists() and (folder / "vae" / "config.json").exists():
-        folder = folder / "vae"
-    raw = json.loads((folder / "config.json").read_text())
-    state = ops.read_safetensors_folder(folder)
+    raw, state = read_diffusers_folder(folder)
     out = {k.removeprefix("encoder."): v for k, v in state.items() if k.startswith("encoder.")}
     if not out:
         raise ValueError(f"{folder}: no encoder.* tensors: a decoder-only checkpoint")
@@ -67,32 +56,18 @@ def _convert_diffusers_folder(folder: Path) -> tuple[dict[str, Any], dict[str, T
 
 
 def _convert_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    with safe_open(str(path), framework="pt") as f:
-        raw = {k: f.get_tensor(k) for k in f.keys()}
-    for prefix in _SINGLE_FILE_PREFIXES:
-        if any(k.startswith(prefix + "encoder.") for k in raw):
-            raw = {k.removeprefix(prefix): v for k, v in raw.items() if k.startswith(prefix)}
-            break
+    raw = read_single_file(path, "encoder.")
     enc = {k.removeprefix("encoder."): v for k, v in raw.items() if k.startswith("encoder.")}
     if not enc:
         raise ValueError(f"{path}: no encoder.* tensors: a decoder-only checkpoint")
-    state: dict[str, Tensor] = {}
-    for key, value in enc.items():
-        name, leaf = key.rsplit(".", 1)
-        ours = _ldm_name(name)
-        if ours.startswith("mid_block.attentions.0.to_") and value.ndim == 4:
-            value = value[:, :, 0, 0]  # BFL stores the attention projections as 1x1 convs
-        state[f"{ours}.{leaf}"] = value.contiguous()
+    state = from_ldm(enc, _ldm_name)
     state.update({k: v for k, v in raw.items() if k.startswith(_TOP_LEVEL)})
     return _infer_config(state), state
 
 
 def _ldm_name(name: str) -> str:
-    if name in _LDM_FIXED:
-        return _LDM_FIXED[name]
-    for ldm, ours in _LDM_FIXED.items():
-        if name.startswith(ldm + "."):
-            return ours + name[len(ldm) :]
+    if (fixed := fixed_ldm_name(name, _LDM_FIXED)) is not None:
+        return fixed
     parts = name.split(".")  # down.{i}.block.{j}.rest | down.{i}.downsample.conv
     if parts[0] != "down":
         raise ValueError(f"unexpected encoder tensor {name!r}")

@@ -12,44 +12,42 @@ Anything that does not fit the encoder exactly is refused, named."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
+from app.decoders.hunyuan_video.convert import (
+    DIFFUSERS_CLASS,
+    ORIGINAL_CLASS,
+    config_beside,
+    config_folder,
+    original_weights,
+    without_vae_prefix,
+)
 from app.encoders import video
 from app.encoders.hunyuan_video.encode import DEFAULTS, SCALING_FACTOR, Encoder
 
-DIFFUSERS_CLASS = "AutoencoderKLHunyuanVideo"
-ORIGINAL_CLASS = "AutoencoderKLCausal3D"
 DOWN_BLOCKS = {
     DIFFUSERS_CLASS: "HunyuanVideoDownBlock3D",
     ORIGINAL_CLASS: "DownEncoderBlockCausal3D",
 }
-WEIGHT_FILES = ("pytorch_model.pt", "pytorch_model.safetensors", "pytorch_model.pth")
 
 
 def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
     source = Path(source)
     if source.is_dir():
-        folder = source / "vae" if (source / "vae" / "config.json").exists() else source
-        raw = json.loads((folder / "config.json").read_text())
+        folder, raw = config_folder(source)
         if raw.get("_class_name") == ORIGINAL_CLASS:
-            path = next((folder / f for f in WEIGHT_FILES if (folder / f).exists()), None)
-            if path is None:
-                raise ValueError(f"{folder}: an {ORIGINAL_CLASS} config without {WEIGHT_FILES}")
+            path = original_weights(folder)
             config, state = _config(raw, folder), _encoder_part(_read_file(path), path)
         else:
             raw, tensors = video.read_vae_folder(folder)
             config, state = _config(raw, folder), _encoder_part(tensors, folder)
     else:
         state = _encoder_part(_read_file(source), source)
-        beside = source.parent / "config.json"
-        if beside.exists():
-            config = _config(json.loads(beside.read_text()), source.parent)
-        else:
-            config = _infer_config(state)
+        raw = config_beside(source)
+        config = _infer_config(state) if raw is None else _config(raw, source.parent)
     try:
         video.check_state(Encoder, config, state, source)
     except ValueError as exc:  # e.g. widths the norm groups do not divide
@@ -85,10 +83,7 @@ def _config(raw: dict[str, Any], where: Path) -> dict[str, Any]:
 
 
 def _read_file(path: Path) -> dict[str, Tensor]:
-    tensors = video.read_single_file(path)
-    if any(k.startswith("vae.") for k in tensors):  # as hyvideo's load_vae reads it
-        tensors = {k[len("vae.") :]: v for k, v in tensors.items() if k.startswith("vae.")}
-    return tensors
+    return without_vae_prefix(video.read_single_file(path))
 
 
 def _encoder_part(tensors: dict[str, Tensor], where: Path) -> dict[str, Tensor]:

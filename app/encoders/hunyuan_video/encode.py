@@ -104,12 +104,9 @@ class Encoder(VAEEncoder):
     # --- encoding ------------------------------------------------------------------------
     @torch.no_grad()
     def moments(self, x: Tensor, **options: Any) -> Tensor:
-        weight = self.quant_conv.weight
-        video.check_input(x, self.spec.in_channels, self.spatial_scale)
-        x = x.to(device=weight.device, dtype=weight.dtype)
-        image = x.ndim == 4
-        if image:
-            x = x.unsqueeze(2)
+        x, image = video.as_clip(
+            x, self.quant_conv.weight, self.spec.in_channels, self.spatial_scale
+        )
         frames = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
         if options.get("framewise", True) and x.shape[2] > frames:
             m = self._windows(x, options)
@@ -142,13 +139,8 @@ class Encoder(VAEEncoder):
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         net = self.encoder
-        return [
-            ("conv_in", net.conv_in),
-            *((f"down_{i}", block) for i, block in enumerate(net.down_blocks)),
-            ("mid", net.mid_block),
-            *(("conv_out", m) for m in (net.conv_norm_out, net.conv_act, net.conv_out)),
-            ("conv_out", self.quant_conv),
-        ]
+        head = [net.conv_norm_out, net.conv_act, net.conv_out, self.quant_conv]
+        return video.stages([net.conv_in], net.down_blocks, net.mid_block, head)
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
         frames = input_shape[2] if len(input_shape) == 5 else 1

@@ -138,9 +138,7 @@ class Encoder(VAEEncoder):
         super().__init__({**base, **config})
         self.spec = encoder_spec(self.config)
         self.encoder = EncoderNet(self.spec)
-        mean, std = video.latent_stats(self.config, self.spec.latent_channels)
-        self.register_buffer("latents_mean", mean, persistent=False)
-        self.register_buffer("latents_std", std, persistent=False)
+        video.register_latent_stats(self, self.config, self.spec.latent_channels)
 
     # --- geometry ------------------------------------------------------------------------
     @property
@@ -185,12 +183,9 @@ class Encoder(VAEEncoder):
     # --- encoding ------------------------------------------------------------------------
     @torch.no_grad()
     def moments(self, x: Tensor, **options: Any) -> Tensor:
-        weight = self.encoder.conv_in.conv.weight
-        video.check_input(x, self.spec.in_channels, self.spatial_scale)
-        x = x.to(device=weight.device, dtype=weight.dtype)
-        image = x.ndim == 4
-        if image:
-            x = x.unsqueeze(2)
+        x, image = video.as_clip(
+            x, self.encoder.conv_in.conv.weight, self.spec.in_channels, self.spatial_scale
+        )
         frames = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
         chunk = int(options.get("chunk_frames") or 0)
         if chunk and self.streams and not (options.get("framewise") or options.get("tiled")):
@@ -237,14 +232,8 @@ class Encoder(VAEEncoder):
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         net = self.encoder
-        head = (net.norm_out, net.conv_act, net.conv_out, net.shared_logvar)
-        return [
-            ("conv_in", net.patchify),
-            ("conv_in", net.conv_in),
-            *((f"down_{i}", block) for i, block in enumerate(net.down_blocks)),
-            ("mid", net.mid_block),
-            *(("conv_out", m) for m in head),
-        ]
+        head = [net.norm_out, net.conv_act, net.conv_out, net.shared_logvar]
+        return video.stages([net.patchify, net.conv_in], net.down_blocks, net.mid_block, head)
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
         frames = input_shape[2] if len(input_shape) == 5 else 1

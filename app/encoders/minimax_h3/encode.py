@@ -80,9 +80,7 @@ class Encoder(VAEEncoder):
         self.encoder = EncoderNet(self.spec)
         z2 = 2 * self.spec.latent_channels
         self.quant_conv = nn.Conv3d(z2, z2, 1)
-        mean, std = video.latent_stats(self.config, self.spec.latent_channels)
-        self.register_buffer("latents_mean", mean, persistent=False)
-        self.register_buffer("latents_std", std, persistent=False)
+        video.register_latent_stats(self, self.config, self.spec.latent_channels)
 
     # --- geometry ------------------------------------------------------------------------
     @property
@@ -112,12 +110,9 @@ class Encoder(VAEEncoder):
     # --- encoding ------------------------------------------------------------------------
     @torch.no_grad()
     def moments(self, x: Tensor, **options: Any) -> Tensor:
-        weight = self.quant_conv.weight
-        video.check_input(x, self.spec.in_channels, self.spatial_scale)
-        x = x.to(device=weight.device, dtype=weight.dtype)
-        image = x.ndim == 4
-        if image:
-            x = x.unsqueeze(2)
+        x, image = video.as_clip(
+            x, self.quant_conv.weight, self.spec.in_channels, self.spatial_scale
+        )
         if x.shape[2] == 1:
             m = self._clip(x, options)
             return m[:, :, 0] if image else m
@@ -164,12 +159,8 @@ class Encoder(VAEEncoder):
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         net = self.encoder
-        return [
-            ("conv_in", net.conv_in),
-            *((f"down_{i}", block) for i, block in enumerate(net.down_blocks)),
-            *(("conv_out", m) for m in (net.norm_out, net.conv_act, net.conv_out)),
-            ("conv_out", self.quant_conv),
-        ]
+        head = [net.norm_out, net.conv_act, net.conv_out, self.quant_conv]
+        return video.stages([net.conv_in], net.down_blocks, None, head)
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
         frames = input_shape[2] if len(input_shape) == 5 else 1

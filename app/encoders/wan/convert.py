@@ -18,12 +18,18 @@ from typing import Any
 
 from torch import Tensor
 
-from app.decoders.wan.convert import KNOWN_STATS, WAN21_MEAN, WAN21_STD
+from app.decoders.wan.convert import (
+    KNOWN_STATS,
+    PREFIXES,
+    WAN21_MEAN,
+    WAN21_STD,
+    renamed,
+    resnet_part,
+)
 from app.encoders import video
 from app.encoders.wan.encode import DEFAULTS, Encoder
 
 CLASSES = ("AutoencoderKLWan", "AutoencoderKLQwenImage")
-PREFIXES = ("vae.", "first_stage_model.")
 
 
 def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
@@ -57,9 +63,7 @@ def _from_folder(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
 
 
 # --- original single files --------------------------------------------------------------------
-# Original resnet internals: residual = [norm1, SiLU, conv1, norm2, SiLU, Dropout, conv2]
-_RESNET = {"residual.0.": "norm1.", "residual.2.": "conv1.", "residual.3.": "norm2.",
-           "residual.6.": "conv2.", "shortcut.": "conv_shortcut."}  # fmt: skip
+# resnets are renamed as the decoder's convert does (``resnet_part``)
 _TOP = {"conv1.": "quant_conv.", "encoder.conv1.": "encoder.conv_in.",
         "encoder.middle.0.": "encoder.mid_block.resnets.0.",
         "encoder.middle.1.": "encoder.mid_block.attentions.0.",
@@ -86,39 +90,21 @@ def _from_single_file(path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
 
 def _from_original(tensors: dict[str, Tensor], path: Path) -> dict[str, Tensor]:
     """Original Wan names -> diffusers' (the decoder and ``conv2`` dropped)."""
-    state, unknown = {}, []
-    for key, value in tensors.items():
-        if key.startswith(("decoder.", "conv2.")):
-            continue
-        name = _rename(key)
-        if name is None:
-            unknown.append(key)
-        else:
-            state[name] = value
-    if unknown:
-        raise ValueError(f"{path}: keys the Wan encoder does not have: {sorted(unknown)[:5]}")
-    return state
+    return renamed(tensors, ("decoder.", "conv2."), _rename, path, "encoder")
 
 
 def _rename(key: str) -> str | None:
     for old, new in _TOP.items():
         if key.startswith(old):
-            return _resnet_part(new, key[len(old) :])
+            return resnet_part(new, key[len(old) :])
     if m := _NESTED.match(key):
         i, j, rest = m.groups()
         if rest.startswith(_RESAMPLE):
             return f"encoder.down_blocks.{i}.downsampler.{rest}"
-        return _resnet_part(f"encoder.down_blocks.{i}.resnets.{j}.", rest)
+        return resnet_part(f"encoder.down_blocks.{i}.resnets.{j}.", rest)
     if m := _FLAT.match(key):  # the flat list keeps its indices in diffusers
-        return _resnet_part(f"encoder.down_blocks.{m.group(1)}.", m.group(2))
+        return resnet_part(f"encoder.down_blocks.{m.group(1)}.", m.group(2))
     return None
-
-
-def _resnet_part(prefix: str, rest: str) -> str:
-    for old, new in _RESNET.items():
-        if rest.startswith(old):
-            return prefix + new + rest[len(old) :]
-    return prefix + rest
 
 
 def _stages(state: dict[str, Tensor], residual: bool) -> list[tuple[int, int, bool | None]]:
