@@ -47,17 +47,37 @@ async def handle_decode(
     settings: Settings,
     drain: Drain,
 ) -> Response:
+    work = lambda timer: _decode(request, name, runtime, settings, timer)  # noqa: E731
+    return await handled("decode", work, request, name, runtime, metrics, settings, drain)
+
+
+async def handled(
+    op: str,
+    work: Callable[[PhaseTimer], Awaitable[Response]],
+    request: Request,
+    name: str | None,
+    runtime: Runtime,
+    metrics: Metrics,
+    settings: Settings,
+    drain: Drain,
+    output: str | None = None,
+) -> Response:
+    """One decode or encode request (``op``) answered and accounted for: counted in the
+    drain while it runs, timed (``Server-Timing``), its metrics and log line once its whole
+    body is out (a stream's when it closes). ``output``: the ``x-output`` label of answers
+    that set none (an encode's, errors included)."""
     started = time.perf_counter()
     timer = PhaseTimer()
     drain.active += 1
     try:
-        work = lambda: _decode(request, name, runtime, settings, timer)  # noqa: E731
-        response = await answered("decode", request, work, settings, drain)
+        response = await answered(op, request, lambda: work(timer), settings, drain)
     except BaseException:  # cancelled by a hard shutdown: still account for it
         drain.active -= 1
         raise
     response.headers["Server-Timing"] = server_timing(timer.phases(), time.perf_counter() - started)
-    finish = finisher(request, response, name, runtime, metrics, drain, timer, started)
+    if output is not None:
+        response.headers.setdefault("x-output", output)
+    finish = finisher(request, response, name, runtime, metrics, drain, timer, started, op)
     if isinstance(response, JobStream):
         response.on_close = finish
     else:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import time
 
 import numpy as np
 import torch
@@ -20,8 +19,7 @@ from fastapi import Request, Response
 from app import media
 from app.config import Settings
 from app.drain import Drain
-from app.http.accounting import finisher, server_timing
-from app.http.decode import _outcome, answered, deadline, read_body, resolve_model
+from app.http.decode import _outcome, deadline, handled, read_body, resolve_model
 from app.http.errors import runtime_error
 from app.metrics import Metrics
 from app.protocol import ProtocolError
@@ -43,20 +41,10 @@ async def handle_encode(
     settings: Settings,
     drain: Drain,
 ) -> Response:
-    started = time.perf_counter()
-    timer = PhaseTimer()
-    drain.active += 1
-    try:
-        work = lambda: _encode(request, name, runtime, settings, timer)  # noqa: E731
-        response = await answered("encode", request, work, settings, drain)
-    except BaseException:  # cancelled by a hard shutdown: still account for it
-        drain.active -= 1
-        raise
-    response.headers["Server-Timing"] = server_timing(timer.phases(), time.perf_counter() - started)
-    response.headers.setdefault("x-output", OUTPUT_LABEL)
-    finish = finisher(request, response, name, runtime, metrics, drain, timer, started, "encode")
-    finish(len(response.body))
-    return response
+    work = lambda timer: _encode(request, name, runtime, settings, timer)  # noqa: E731
+    return await handled(
+        "encode", work, request, name, runtime, metrics, settings, drain, OUTPUT_LABEL
+    )
 
 
 async def _encode(
