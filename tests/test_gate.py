@@ -204,11 +204,14 @@ def _taesd(cls=None):
     return reference.eval().requires_grad_(False)
 
 
+class _Native384(family_module("taesd").Decoder):
+    native_size = (384, 320)  # small: the check's cost on any CPU, bf16 emulated included
+
+
 def test_the_full_resolution_check_decodes_the_native_size_against_float32():
-    reference = _taesd()
+    reference = _taesd(_Native384)
     probes = gate.Probes(reference, full_on=torch.device("cpu"))
-    size = reference.native_size
-    assert tuple(probes.full.shape[-2:]) == (size[0] // 8, size[1] // 8)
+    assert tuple(probes.full.shape) == (1, reference.latent_channels, 384 // 8, 320 // 8)
     fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.bfloat16))
     report = gate.run(fast, probes)
     full = next(c for c in report.checks if c.name == "full")
@@ -227,7 +230,7 @@ def test_a_fast_path_wrong_only_at_full_resolution_fails_the_gate():
 
 def test_the_full_resolution_check_is_skipped_where_the_device_cannot_hold_it(monkeypatch):
     monkeypatch.setattr(gate.devices, "memory_budget", lambda device, cap=0: 1 << 20)
-    reference = _taesd()
+    reference = _taesd(_Native384)
     probes = gate.Probes(reference, full_on=torch.device("cpu"))
     fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.bfloat16))
     report = gate.run(fast, probes)
@@ -235,7 +238,9 @@ def test_the_full_resolution_check_is_skipped_where_the_device_cannot_hold_it(mo
     assert probes.full_skipped.startswith("needs ") and "GiB free" in probes.full_skipped
 
 
-def test_vae_gate_full_on_shows_the_check_in_models(flux_store):
+def test_vae_gate_full_on_shows_the_check_in_models(flux_store, monkeypatch):
+    # a small native size: the check's cost on any CPU (its own size is tested above)
+    monkeypatch.setattr(family_module("flux").Decoder, "native_size", (256, 192))
     runtime = _runtime(flux_store, dtype="bfloat16", gate_full="on")
     model = runtime.models["flux-tiny"]
     assert "full" in {c.name for c in model.gate.checks}
