@@ -21,6 +21,9 @@ from diffusers import AutoencoderKLHunyuanVideo
 from safetensors.torch import save_file
 
 from app.decoders import family_module, hunyuan_video
+from app.decoders.hunyuan_video import fast
+from app.decoders.hunyuan_video.model import Upsampler
+from app.runtime import modes
 from app.store import load_model
 from tests import helpers
 from tests.helpers import check, cosine, import_pair, seeded, synthetic_twins
@@ -150,6 +153,44 @@ def test_tiled_matches_diffusers_tiled(pairs, name, t):
     assert torch.equal(ours.decode(z, tiled=False), untiled)
     streamed = ours.iter_decode(z, tiled=True, tile_sample_size=size, tile_sample_stride=stride)
     assert torch.equal(torch.cat(list(streamed), 2), got)
+
+
+# --- the fast path (served behind the gate) -------------------------------------------------------
+@pytest.mark.parametrize("temporal", [True, False], ids=["time+space", "space"])
+@pytest.mark.parametrize("frames", [1, 2, 3])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last_3d])
+@torch.no_grad()
+def test_phase_upsampler_is_the_upsampler(temporal, frames, layout):
+    """Nearest upsampling + the causal replicate-padded conv, computed per output phase on the
+    low-res grid: the same sums (float64: to rounding), in either memory layout."""
+    torch.manual_seed(frames)
+    up = Upsampler(5, temporal, spatial=True).double().to(memory_format=layout)
+    x = torch.randn(2, 5, frames, 4, 6, dtype=torch.float64).contiguous(memory_format=layout)
+    got = fast.PhaseUpsampler(up)(x)
+    expected = up(x)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert got.is_contiguous(memory_format=layout)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@torch.no_grad()
+def test_served_copy_matches_diffusers(pairs, name):
+    """The optimized float32 copy (phase upsamplers, Winograd where it suits) decodes as
+    diffusers does, windowed and tiled; every spatial upsampler is swapped."""
+    ref, ours, config = pairs[name]
+    served = modes.build(ours, torch.device("cpu"), modes.Mode(torch.float32))
+    ups = [b.upsamplers[0] for b in served.up_blocks if b.upsamplers is not None]
+    assert ups and all(isinstance(u, fast.PhaseUpsampler) for u in ups)
+    z = latent(1, config["latent_channels"], 6, 5, 7, seed=5)
+    check(f"{name} served", served.decode(z), helpers.checked_reference_decode(ref, ours, z))
+    ref.enable_tiling(32, 32, None, 24, 24, None)
+    try:
+        expected = ref.decode(z).sample
+    finally:
+        ref.disable_tiling()
+    size = dict(tile_sample_size=32, tile_sample_stride=24)
+    check(f"{name} served tiled", served.decode(z, tiled=True, **size), expected)
 
 
 @torch.no_grad()

@@ -33,23 +33,37 @@ WEIGHT_HEAVY = 64
 
 def conv3d(x: Tensor, conv: nn.Conv3d) -> Tensor:
     """``conv(x)``: by Winograd where the fast path prepared ``conv`` (``winograd.prepare``),
-    else float32 on the CPU on the faster of two kernels for its shape: oneDNN, or
+    else ``conv3d_direct`` with the module's weights and geometry."""
+    if winograd.runs(x, conv):
+        return winograd.conv3d(x, conv.winograd, conv.bias, conv.padding[-1])
+    # functional: ``conv`` may be a Conv3d subclass whose forward calls this
+    return conv3d_direct(
+        x, conv.weight, conv.bias, conv.padding, conv.stride, conv.dilation, conv.groups
+    )
+
+
+def conv3d_direct(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    padding: tuple[int, ...] = (0, 0, 0),
+    stride: tuple[int, ...] = (1, 1, 1),
+    dilation: tuple[int, ...] = (1, 1, 1),
+    groups: int = 1,
+) -> Tensor:
+    """A 3-D conv, float32 on the CPU on the faster of two kernels for its shape: oneDNN, or
     for a weight much larger than its input ``slow_conv3d`` (im2col + GEMM, no weight re-pack).
     PyTorch's own choice goes by B*C*T*H alone, and sends short temporal chunks of the
     low-res, narrow stages to ``slow_conv3d``, several times slower there. Other dtypes and
     devices: PyTorch's own dispatch."""
-    if winograd.runs(x, conv):
-        return winograd.conv3d(x, conv.winograd, conv.bias, conv.padding[-1])
-    if x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.enabled:
-        pad, stride, dil = list(conv.padding), list(conv.stride), list(conv.dilation)
-        if conv.weight.numel() > WEIGHT_HEAVY * x.numel() and dil == [1, 1, 1]:
-            kernel = list(conv.kernel_size)
-            return torch.ops.aten.slow_conv3d(x, conv.weight, kernel, conv.bias, stride, pad)
-        return torch.ops.aten.mkldnn_convolution(x, conv.weight, conv.bias, pad, stride, dil, 1)
-    # functional: ``conv`` may be a Conv3d subclass whose forward calls this
-    return F.conv3d(
-        x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups
-    )
+    cpu_float32 = x.device.type == "cpu" and x.dtype == torch.float32
+    if cpu_float32 and torch.backends.mkldnn.enabled and groups == 1:
+        pad, stride, dil = list(padding), list(stride), list(dilation)
+        if weight.numel() > WEIGHT_HEAVY * x.numel() and dil == [1, 1, 1]:
+            kernel = list(weight.shape[2:])
+            return torch.ops.aten.slow_conv3d(x, weight, kernel, bias, stride, pad)
+        return torch.ops.aten.mkldnn_convolution(x, weight, bias, pad, stride, dil, 1)
+    return F.conv3d(x, weight, bias, stride, padding, dilation, groups)
 
 
 def patchify2x2(z: Tensor) -> Tensor:
@@ -79,11 +93,12 @@ def upsample_conv_phase_weights(weight: Tensor) -> Tensor:
 
     Output row 2i+a reads upsampled rows 2i+a-1..2i+a+1, i.e. low-res rows {i-1, i} for
     a=0 (kernel rows 0 | 1+2) and {i, i+1} for a=1 (kernel rows 0+1 | 2); same for columns.
-    Returns [2, 2, Cout, Cin, 2, 2].
+    The last two dims are the 3x3 (a 3-D kernel keeps its time taps).
+    Returns [2, 2, Cout, Cin, (kt,) 2, 2], each phase in the weight's memory layout.
     """
     rows = (
-        torch.stack([weight[:, :, 0], weight[:, :, 1] + weight[:, :, 2]], dim=2),
-        torch.stack([weight[:, :, 0] + weight[:, :, 1], weight[:, :, 2]], dim=2),
+        torch.stack([weight[..., 0, :], weight[..., 1, :] + weight[..., 2, :]], dim=-2),
+        torch.stack([weight[..., 0, :] + weight[..., 1, :], weight[..., 2, :]], dim=-2),
     )
     phases = []
     for r in rows:
@@ -92,12 +107,23 @@ def upsample_conv_phase_weights(weight: Tensor) -> Tensor:
             torch.stack([r[..., 0] + r[..., 1], r[..., 2]], dim=-1),
         )
         phases.append(torch.stack(cols))
-    out = torch.stack(phases)
-    if weight.is_contiguous(memory_format=torch.channels_last) and weight.shape[1] > 1:
-        # each phase's kernel channels-last itself, else every conv call reorders it
-        laid = out.new_empty(out.shape[:3] + out.shape[4:] + out.shape[3:4])
-        out = laid.permute(0, 1, 2, 5, 3, 4).copy_(out)
-    return out
+    return laid_out_like(torch.stack(phases), weight)
+
+
+def laid_out_like(kernels: Tensor, weight: Tensor) -> Tensor:
+    """``kernels`` [..., Cout, Cin, *k], each kernel channels-last where ``weight`` is (else
+    every conv call reorders it)."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    fmt = formats.get(weight.ndim)
+    if fmt is None or weight.shape[1] == 1 or not weight.is_contiguous(memory_format=fmt):
+        return kernels
+    lead, k = kernels.ndim - weight.ndim, weight.ndim - 2
+    cin = lead + 1
+    laid = kernels.new_empty(
+        kernels.shape[:cin] + kernels.shape[cin + 1 :] + kernels.shape[cin : cin + 1]
+    )
+    order = [*range(cin), kernels.ndim - 1, *range(cin, cin + k)]
+    return laid.permute(order).copy_(kernels)
 
 
 def upsample2x_conv3x3_phases(x: Tensor, phase_weights: Tensor, bias: Tensor | None) -> Tensor:

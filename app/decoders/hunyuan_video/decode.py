@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from app.decoders.base import VAEDecoder, decode_chunks
-from app.decoders.hunyuan_video import tiling
+from app.decoders.hunyuan_video import fast, tiling
 from app.decoders.hunyuan_video.model import Architecture
 from app.decoders.tiling import DEFAULT_TILE_SAMPLE_SIZE, Grid, blend_edge
 from app.timing import phase
@@ -124,6 +124,9 @@ class Decoder(Architecture, VAEDecoder):
                     blend_edge(tail, out, plan.blend, dim=2)
             tail = out[:, :, max(0, out.shape[2] - plan.blend) :]
             yield out[:, :, : window.keep]
+
+    def optimize(self) -> None:
+        fast.optimize(self, self.winograd_max_channels)
 
     def _decode_window(self, z: Tensor, grid: Grid | None) -> Tensor:
         """One pass over a window of latent frames, in spatial tiles where ``grid`` says."""
