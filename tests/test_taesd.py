@@ -14,7 +14,8 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from app import timing
-from app.decoders import taesd
+from app.decoders import ops, taesd
+from app.runtime import modes
 from app.timing import PhaseTimer
 from tests.helpers import cosine, psnr
 from tests.taef2_encoder import load_encoder
@@ -78,22 +79,23 @@ def test_decode_matches_diffusers(case: str, tmp_path: Path) -> None:
     assert config["latent_channels"] == kwargs["latent_channels"]
     ours = taesd.Decoder(config)
     ours.load_state_dict(sd)
+    # the served float32 copy too: channels_last, its up stages' convs by output phase
+    served = modes.build(ours.eval(), torch.device("cpu"), modes.Mode(torch.float32))
+    assert all(isinstance(stage.conv, ops.PhaseConv) for stage in served.up)
     z = torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 2
     with torch.no_grad():
         want = (ref.decode(z).sample + 1) / 2  # diffusers maps [0,1] to [-1,1]; upstream does not
-        got = ours.eval().decode(z)
-    cos, err = cosine(got, want), (got - want).abs().max().item()
-    centred = cosine(got - want.mean(), want - want.mean())  # offset removed: a flat output fails
-    print(
-        f"{case}: cosine {cos:.9f} centred {centred:.9f} max-abs {err:.2e}",
-        f"(out std {want.std():.2f})",
-    )
-    assert (
-        got.shape
-        == want.shape
-        == (shape[0], 3, shape[2] * ours.spatial_scale, shape[3] * ours.spatial_scale)
-    )
-    assert cos >= 0.99999 and centred >= 0.99999 and err < 1e-5 * want.abs().max()
+        for label, decoder in (("exact", ours), ("served", served)):
+            got = decoder.decode(z)
+            cos, err = cosine(got, want), (got - want).abs().max().item()
+            centred = cosine(got - want.mean(), want - want.mean())  # a flat output fails
+            print(
+                f"{case} {label}: cosine {cos:.9f} centred {centred:.9f} max-abs {err:.2e}",
+                f"(out std {want.std():.2f})",
+            )
+            scale = ours.spatial_scale
+            assert got.shape == want.shape == (shape[0], 3, shape[2] * scale, shape[3] * scale)
+            assert cos >= 0.99999 and centred >= 0.99999 and err < 1e-5 * want.abs().max()
 
 
 def test_phases_summary_and_errors() -> None:

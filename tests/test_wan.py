@@ -17,7 +17,7 @@ from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 from safetensors.torch import save_file
 
-from app.decoders import wan
+from app.decoders import ops, wan
 from app.runtime import modes
 from tests import helpers
 from tests.helpers import check, cosine, import_pair, seeded, synthetic_twins
@@ -51,6 +51,7 @@ CONFIGS = {
     "qwen-image": (AutoencoderKLQwenImage, dict(_WAN21, base_dim=8)),
 }
 SHAPES = [(1, 1, 3, 4), (1, 2, 3, 4), (2, 5, 4, 3)]  # (batch, latent frames, h, w)
+CL = torch.channels_last
 pytestmark = pytest.mark.usefixtures("one_thread")
 latent = partial(helpers.latent, seed=1)  # seed 1 unless a test says otherwise
 
@@ -93,10 +94,12 @@ def test_decode_matches_diffusers(pairs, name, shape):
 @torch.no_grad()
 def test_served_cpu_copy_is_channels_last_3d_and_matches_diffusers(pairs, name):
     """The served float32 CPU copy (``modes.build``: 3-D conv weights in channels_last_3d,
-    its own tensors) decodes as diffusers does, streamed or not, and leaves the reference be."""
+    its own tensors, upsamplers by output phase) decodes as diffusers does, streamed or not, and leaves the reference be."""
     ref, ours, config = pairs[name]
     served = modes.build(ours, torch.device("cpu"), modes.Mode(torch.float32))
     assert served.conv_in.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    phases = [m for m in served.modules() if isinstance(m, ops.PhaseConv)]
+    assert phases and all(p.phase_weights[0, 0].is_contiguous(memory_format=CL) for p in phases)
     assert ours.conv_in.weight.is_contiguous()
     z = latent(1, config["z_dim"], 3, 4, 3, seed=3)
     expected = ref.decode(z).sample

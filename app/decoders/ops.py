@@ -126,6 +126,22 @@ def laid_out_like(kernels: Tensor, weight: Tensor) -> Tensor:
     return laid.permute(order).copy_(kernels)
 
 
+class PhaseConv(nn.Module):
+    """A 3x3 conv (padding 1) of ``nearest2x(x)``, given ``x``: four 2x2 convs on the low-res
+    grid (``upsample2x_conv3x3_phases``). It holds the conv's own parameters (the same names),
+    and is swapped in for a conv whose upsampling before it is swapped out."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        super().__init__()
+        self.weight = conv.weight
+        self.register_parameter("bias", conv.bias)
+        weights = upsample_conv_phase_weights(conv.weight.detach())
+        self.register_buffer("phase_weights", weights, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return upsample2x_conv3x3_phases(x, self.phase_weights, self.bias)
+
+
 def upsample2x_conv3x3_phases(x: Tensor, phase_weights: Tensor, bias: Tensor | None) -> Tensor:
     """Exactly conv3x3(nearest2x(x)), computed as four 2x2 convs on the low-res grid."""
     return upsample_phases_padded(F.pad(x, (1, 1, 1, 1)), phase_weights, bias)

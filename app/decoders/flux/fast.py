@@ -34,12 +34,10 @@ class PhaseUpsample(nn.Module):
 
     def __init__(self, conv: nn.Conv2d) -> None:
         super().__init__()
-        self.conv = conv  # kept: the same parameter names as the module it replaces
-        weights = ops.upsample_conv_phase_weights(conv.weight.detach())
-        self.register_buffer("phase_weights", weights, persistent=False)
+        self.conv = ops.PhaseConv(conv)  # the same parameter names as the module it replaces
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.upsample2x_conv3x3_phases(x, self.phase_weights, self.conv.bias)
+        return self.conv(x)
 
 
 def optimize(decoder: Architecture) -> None:
@@ -88,7 +86,7 @@ def _up(block: UpBlock, x: Tensor, band_bytes: int) -> Tensor:
     for resnet in block.resnets:
         x = _resnet(resnet, x, band_bytes)
     for up in block.upsamplers:
-        weights = getattr(up, "phase_weights", None)
+        weights = getattr(up.conv, "phase_weights", None)
         if weights is None:  # an exact decoder asked for bands: rewrite on the fly
             weights = ops.upsample_conv_phase_weights(up.conv.weight)
         x = ops.upsample_conv_banded(x, weights, up.conv.bias, _rows(x, band_bytes))

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from app.decoders.base import VAEDecoder
+from app.decoders.taesd import fast
 from app.decoders.taesd.model import Architecture
 
 # Working memory per output pixel, in values of the compute dtype per channel of the widest
@@ -52,6 +53,9 @@ class Decoder(Architecture, VAEDecoder):
                 f"taesd: expected a latent [B,{self.latent_channels},H,W], got {list(z.shape)}"
             )
         return self(z.to(self.conv_in.weight.dtype))
+
+    def optimize(self) -> None:
+        fast.optimize(self)
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         return [

@@ -82,11 +82,12 @@ class UpStage(nn.Module):
 
     def __init__(self, c_in: int, c_out: int, n_blocks: int):
         super().__init__()
+        self.upsample = nn.Upsample(scale_factor=2.0, mode="nearest")
         self.conv = conv3(c_in, c_out, bias=False)
         self.blocks = nn.Sequential(*(Block(c_out, c_out) for _ in range(n_blocks)))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.blocks(self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest")))
+        return self.blocks(self.conv(self.upsample(x)))
 
 
 def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
