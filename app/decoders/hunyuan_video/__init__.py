@@ -2,8 +2,9 @@
 
 ``model.py`` the architecture (one pass over a window), ``decode.py`` the served ``Decoder``
 (windows, tiles, memory estimate), ``tiling.py`` the reference's frame windows and spatial
-tiles, ``convert.py`` the checkpoint layouts, ``synthetic.py`` the seeded weights (the CPU
-fast path is ``Decoder.winograd_max_channels``). Notes: docs/families/hunyuan-video.md.
+tiles, ``fast.py`` the served copy's rewrites (upsamplers by output phase, Winograd),
+``convert.py`` the checkpoint layouts, ``synthetic.py`` the seeded weights. Notes:
+docs/families/hunyuan-video.md.
 """
 
 from app.decoders.hunyuan_video.convert import convert

@@ -1,8 +1,8 @@
 """The TAESD family: madebyollin's tiny preview decoders (TAESD, TAEF1, TAEF2).
 
-``model.py`` the architecture, ``decode.py`` the served ``Decoder``, ``convert.py`` the
-checkpoint layouts, ``synthetic.py`` the seeded weights (no fast path: the decoder is already
-tiny; its optimized copy differs only in dtype and memory format).
+``model.py`` the architecture, ``decode.py`` the served ``Decoder``, ``fast.py`` the served
+copy's rewrites (upsample convs by output phase, in-place ReLUs), ``convert.py`` the
+checkpoint layouts, ``synthetic.py`` the seeded weights.
 """
 
 from app.decoders.taesd.convert import convert
