@@ -1,10 +1,12 @@
 """The GPU proof: one run that shows the service's GPU path works, and how fast it is.
 
-    python scripts/gpu_proof.py [--device cuda|cpu] [--quick] [--out DIR]
+    python scripts/gpu_proof.py [--device cuda|cpu] [--quick] [--out DIR] [--only SECTION ...]
+                                [--models NAME ...]
 
 Sections (each one's failure is recorded and the run goes on; results are written after
 every section, so a run cut short still leaves its report):
   gate     every family's embedded models gated on the device, each mode, every served way
+           (--models: only the named ones)
   flux     FLUX.1 decode time and peak memory: the service as served vs diffusers (bf16,
            NCHW and channels_last) on the same device, same weights, CUDA events
   e2e      the real HTTP service: PNG requests (Server-Timing vs client wall time) and
@@ -93,8 +95,11 @@ L4_MEMORY_GB = 22.0  # what an L4's 24 GB leaves a process after the CUDA contex
 
 
 class Proof:
-    def __init__(self, device: torch.device, quick: bool, out: Path) -> None:
+    def __init__(
+        self, device: torch.device, quick: bool, out: Path, models: list[str] | None = None
+    ) -> None:
         self.device, self.quick, self.out = device, quick, out
+        self.models = models  # the gate's embedded models by name (None: all)
         self.report: dict = {
             "device": _device_name(device),
             "machine": common.machine(),
@@ -155,7 +160,8 @@ class Proof:
             for name, config in embedded.items():
                 if self.quick and name == "flux1-synthetic":
                     name, config = "flux-tiny", TINY_FLUX["flux-tiny"]
-                out.append((family, name, config))
+                if self.models is None or name in self.models:
+                    out.append((family, name, config))
         return out
 
     def _gate_modes(self) -> list[modes.Mode]:
@@ -923,10 +929,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes (a CPU run)")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "/tmp/gpu_proof"))
     parser.add_argument("--only", nargs="*", help="sections to run (default: all)")
+    parser.add_argument("--models", nargs="+", help="the gate's embedded models (default: all)")
     args = parser.parse_args()
     device = devices.resolve(args.device)
     devices.prepare(device)
-    proof = Proof(device, args.quick, args.out)
+    proof = Proof(device, args.quick, args.out, args.models)
+    known = {name for _, name, _ in Proof(device, args.quick, args.out)._models()}
+    if args.models and not set(args.models) <= known:
+        parser.error(f"--models: unknown {sorted(set(args.models) - known)}; known {sorted(known)}")
     print(devices.runtime_summary(args.device), flush=True)
     sections = ["encoder", "gate", "flux", "e2e", "graphs", "ladder", "l4", "compile", "profile"]
     sections.append("video")

@@ -634,11 +634,13 @@ class _Prometheus:
         assert r.status_code == 200 and body["status"] == "success", (path, params, body)
         return body["data"]
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        return self.api("query", query=expr)["result"]
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query, evaluated now or at the unix time `at`."""
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        return self.api("query", **params)["result"]
 
-    def value(self, expr: str) -> float:
-        result = self.query(expr)
+    def value(self, expr: str, at: float | None = None) -> float:
+        result = self.query(expr, at)
         return float(result[0]["value"][1]) if result else float("nan")
 
     def wait(self, what: str, check, timeout: float = 30) -> None:
@@ -652,7 +654,19 @@ class _Prometheus:
 
 
 SELF_HOSTED = {"job": "vae", "service": ".*", "replica": "instance"}
+# the five scrape targets of the `prometheus` fixture, all the same live service
+SCRAPE_TARGETS = ('job="vae", instance=~"127.*"', 'job="vae", instance=~"localhost.*"',
+                  'instanceId="replica-a"', 'instanceId="replica-b"', 'instanceId="replica-c"')  # fmt: skip
 CLOUD_RUN = {"job": "run-gmp-sidecar", "service": "vae-render", "replica": "instanceId"}
+
+
+def _scraped(prom: _Prometheus, target: str, total: float, after_ms: int = 0) -> bool:
+    """Whether the target's latest scrape counted `total` requests and was taken after the
+    unix time `after_ms` (in ms)."""
+    now = time.time()
+    counted = prom.value(f"sum(vae_requests_total{{{target}}})", now)
+    taken = prom.value(f"min(timestamp(vae_requests_total{{{target}}}))", now)
+    return counted == total and taken * 1000 > after_ms
 
 
 def _sidecar_job(name: str, target: str, service: str, replica: str) -> dict[str, Any]:
@@ -783,24 +797,36 @@ def test_every_panel_and_alert_against_a_live_prometheus(flux_server, prometheus
         assert _decode(flux_server, "flux-tiny", [1, 4, 4, 4]).status_code == 422  # channels
         assert _decode(flux_server, "no-such-model", [1, 16, 4, 4]).status_code == 404
 
-    # Two waves with scrapes between: every series exists before the second wave increments
-    # it, so rate() and histogram_quantile() have real increases to work with. Each of the
-    # five scrape targets is the same service, so each counts every request once.
-    wave_1_scraped = time.monotonic()
-    for wave in (1, 2):
-        if wave == 2:
-            time.sleep(1.5)  # a scrape between the end of wave 1 and wave 2
-            wave_1_scraped = time.monotonic() - 1.0
-        traffic()
-        served = _requests_total(flux_server)
-        for target in ('job="vae", instance=~"127.*"', 'instanceId="replica-a"',
-                       'instanceId="replica-b"', 'instanceId="replica-c"'):  # fmt: skip
-            prom.wait(f"wave {wave} scraped by {target}", lambda n=served, t=target: prom.value(
-                f"sum(vae_requests_total{{{t}}})") == n)  # fmt: skip
-    time.sleep(2.5)  # two more scrapes after the last request
-    # rate() windows that see wave 2 only: every series then exists for the whole window, so
-    # rate()'s extrapolation is the same for all (a series born inside it skews its ratio)
-    window = f"{math.ceil(time.monotonic() - wave_1_scraped)}s"
+    # Two waves, each scraped by every target: every series exists before the second wave
+    # increments it, so rate() and histogram_quantile() have real increases to work with. Each
+    # of the five scrape targets is the same service, so each counts every request once. The
+    # waits are on what Prometheus stored (sample timestamps), not on sleeps: a loaded machine
+    # delays or drops scrapes.
+    traffic()
+    served_1 = _requests_total(flux_server)
+    for target in SCRAPE_TARGETS:
+        prom.wait(f"wave 1 scraped by {target}",
+                  lambda t=target: _scraped(prom, t, served_1))  # fmt: skip
+    # every target's first sample counting all of wave 1 is older than this (ms): each
+    # series of wave 1 exists from here on
+    start_ms = math.ceil(time.time() * 1000) + 1
+    for target in SCRAPE_TARGETS:
+        prom.wait(f"{target} scraped again before wave 2",
+                  lambda t=target: _scraped(prom, t, served_1, after_ms=start_ms))  # fmt: skip
+    traffic()
+    served_2 = _requests_total(flux_server)
+    for target in SCRAPE_TARGETS:
+        prom.wait(f"wave 2 scraped by {target}",
+                  lambda t=target: _scraped(prom, t, served_2))  # fmt: skip
+    # rate() windows that see wave 2 only, evaluated at one fixed time: every series then
+    # exists for the whole window (a series born inside it skews its ratio), and the window
+    # holds, for every target, a sample from before wave 2 and one counting all of it
+    at_ms = math.floor(time.time() * 1000)
+    at, window = at_ms / 1000, f"{at_ms - start_ms}ms"
+    for target in SCRAPE_TARGETS:
+        selector = f"vae_requests_total{{{target}}}[{window}]"
+        grown = prom.value(f"sum(max_over_time({selector}) - min_over_time({selector}))", at)
+        assert grown == served_2 - served_1, (target, window, grown, served_1, served_2)
 
     dashboard = json.loads(DASHBOARD.read_text())
     jobs = prom.api("label/job/values", **{"match[]": "vae_queue_depth"})
@@ -809,7 +835,7 @@ def test_every_panel_and_alert_against_a_live_prometheus(flux_server, prometheus
                         **{"match[]": 'vae_queue_depth{job=~"run-gmp-sidecar"}'})  # fmt: skip
     assert set(services) == {"vae-render", "other-service"}
     for variant in (SELF_HOSTED, CLOUD_RUN):
-        _check_dashboard(prom, dashboard, variant, window)
+        _check_dashboard(prom, dashboard, variant, window, at)
         _check_alert_series(prom, variant)
 
     # ...and Prometheus loaded and evaluated every rule of both files without error
@@ -826,10 +852,11 @@ def test_every_panel_and_alert_against_a_live_prometheus(flux_server, prometheus
 
 
 def _check_dashboard(
-    prom: _Prometheus, dashboard: dict[str, Any], variant: dict[str, str], window: str
+    prom: _Prometheus, dashboard: dict[str, Any], variant: dict[str, str], window: str, at: float
 ) -> None:
     """Every panel query under one label set: data (NaN-free somewhere), per-replica panels
-    one series per replica of this service (not one collapsed series, not other services')."""
+    one series per replica of this service (not one collapsed series, not other services').
+    The stacked means are checked over `window`, evaluated at the unix time `at`."""
     name = variant["job"]
     models = prom.api("label/model/values",
                       **{"match[]": f"vae_model_load_seconds{{{_scope(variant)}}}"})  # fmt: skip
@@ -864,10 +891,11 @@ def _check_dashboard(
     (mean_panel,) = [p for p in _panels(dashboard) if _stacked(p)]
     variables = {**variables, "model": "flux-tiny", "__rate_interval": window}
     stack = sum(float(r["value"][1]) for r in
-                prom.query(_substitute(mean_panel["targets"][0]["expr"], variables)))  # fmt: skip
+                prom.query(_substitute(mean_panel["targets"][0]["expr"], variables), at))  # fmt: skip
     mean_request = prom.value(
         f'sum(rate(vae_request_seconds_sum{{{sel}, code_class="2xx"}}[{window}]))'
-        f' / sum(rate(vae_request_seconds_count{{{sel}, code_class="2xx"}}[{window}]))'
+        f' / sum(rate(vae_request_seconds_count{{{sel}, code_class="2xx"}}[{window}]))',
+        at,
     )
     # rate() extrapolates each series from its own samples at the window's edges: compare
     # loosely here, exactly on the raw counters below

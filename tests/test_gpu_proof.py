@@ -12,24 +12,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# the gate's cheapest embedded model of each family: this checks the script and its report;
+# the other models' bf16 gates are in tests/test_gate.py and test_wan.py, and the whole proof
+# on a GPU gates every model
+ONE_PER_FAMILY = ("flux-tiny", "hunyuan-video-tiny", "ltx2-tiny", "minimax-h3-tiny",
+                  "taesd-seeded", "wan2.2-tiny")  # fmt: skip
+
+
 def test_gpu_proof_runs_on_the_cpu_and_writes_its_report(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(Path(os.sys.executable))}
-    cmd = [
-        "bash",
-        "scripts/gpu_proof.sh",
-        "--device",
-        "cpu",
-        "--quick",
-        "--only",
-        "encoder",
-        "gate",
-    ]
+    cmd = ["bash", "scripts/gpu_proof.sh", "--device", "cpu", "--quick",
+           "--only", "encoder", "gate", "--models", *ONE_PER_FAMILY]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_proof.json").read_text())
     assert {"device", "gate", "flux", "e2e", "ok"} <= set(report) and report["ok"] is True
     families = {row["family"] for row in report["gate"]}
     assert {"flux", "ltx", "minimax-h3", "wan", "hunyuan-video", "taesd"} <= families
+    # each named model, in every mode the CPU gates (bf16, bf16 unoptimized, float32 fast)
+    gated = [(row["model"], row["dtype"]) for row in report["gate"]]
+    assert sorted(gated) == sorted(
+        (m, d) for m in ONE_PER_FAMILY for d in ("bfloat16", "bfloat16", "float32")
+    )
+    assert report["h264_encoder"]
     for row in report["gate"]:
         assert {"model", "family", "dtype", "cos", "psnr_db", "passed"} <= set(row)
         assert row["passed"] and row["cos"] >= 0.9999
