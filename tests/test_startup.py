@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -185,6 +186,24 @@ def test_the_fastest_measured_mode_that_passes_is_served(sleepy, monkeypatch, fa
     assert described["chosen_because"] and described["selection"] == "done"
     chosen = next(c for c in described["candidates"] if c["mode"] == fast)
     assert chosen["gated"] and chosen["passed"] and chosen["parity_cosine"] >= 0.9999
+
+
+def test_repeats_are_taken_in_turns_and_keep_each_best():
+    """A load that lands on one candidate's first decode (``a``: 3 s, then 1 s) is repeated
+    away in turns with the others; one clearly slower after its first decode is not retimed."""
+    first = {"a": 3.0, "b": 1.5, "slow": 9.0}
+    later = {"a": [1.0, 1.2], "b": [1.4, 1.6], "slow": [0.1, 0.1]}
+    candidates = [SimpleNamespace(name=n, probe_seconds=t) for n, t in first.items()]
+    calls = []
+
+    def seconds(candidate):
+        calls.append(candidate.name)
+        return later[candidate.name][calls.count(candidate.name) - 1]
+
+    selection.retime(candidates, seconds, repeats=3)
+    assert calls == ["a", "b", "a", "b"]
+    assert [c.probe_seconds for c in candidates] == [1.0, 1.4, 9.0]
+    assert selection.ranked(candidates)[0].name == "a"
 
 
 @pytest.mark.parametrize("native_bf16", ["1", "0"])

@@ -210,14 +210,15 @@ def measure(
         candidate = Candidate(mode)
         try:
             candidate.encoder = build(reference, device, mode)
-            got, candidate.probe_seconds = _timed(candidate.encoder, probe, device, policy.repeats)
-            batch, _ = _timed(candidate.encoder, torch.cat([probe, second]), device, 1)
+            got, candidate.probe_seconds = _timed(candidate.encoder, probe, device)
+            batch, _ = _timed(candidate.encoder, torch.cat([probe, second]), device)
             pairs = [(got, expected[0]), (batch[:1], expected[0]), (batch[1:], expected[1])]
             candidate.cosine = min(cosine(a.float().cpu(), b) for a, b in pairs)
         except Exception as exc:  # a mode this family or device cannot run is not a candidate
             candidate.error = f"{type(exc).__name__}: {exc}"
             candidate.encoder = None
         candidates.append(candidate)
+    selection.retime(candidates, lambda c: _timed(c.encoder, probe, device)[1], policy.repeats)
     return candidates
 
 
@@ -252,17 +253,12 @@ def _cast_names(reference: VAEEncoder, dtype: torch.dtype) -> set[str]:
 
 
 @torch.inference_mode()
-def _timed(
-    encoder: VAEEncoder, probe: Tensor, device: torch.device, repeats: int
-) -> tuple[Tensor, float]:
-    x = probe.to(device, _dtype(encoder))
-    best, out = float("inf"), None
-    for _ in range(max(1, repeats)):
-        t0 = time.perf_counter()
-        out = encoder.moments(x)
-        devices.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return out, best
+def _timed(encoder: VAEEncoder, x: Tensor, device: torch.device) -> tuple[Tensor, float]:
+    x = x.to(device, _dtype(encoder))
+    t0 = time.perf_counter()
+    out = encoder.moments(x)
+    devices.synchronize(device)
+    return out, time.perf_counter() - t0
 
 
 def _seconds(candidate: Candidate) -> str:

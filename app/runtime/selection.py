@@ -1,5 +1,6 @@
 """The served mode, chosen by measurement: every candidate mode decodes the gate's plain probe
-(best of a few timed repeats); the fastest whose outputs pass the whole gate is served.
+(best of a few timed repeats, taken in turns: ``retime``); the fastest whose outputs pass the
+whole gate is served.
 
 The candidates' order (``modes.candidate_modes``: where the CPU flags come in) only breaks
 near-ties: a later candidate must be faster by more than ``TIE`` to win over an earlier one.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -85,11 +87,10 @@ def choose(
 ) -> Selection:
     """Measure every candidate, then gate them fastest first; the first that passes wins."""
     candidates = [Candidate(mode) for mode in candidate_modes]
-    best = float("inf")
     for candidate in candidates:
-        _measure(candidate, reference, probes, device, repeats, best)
-        if candidate.probe_seconds is not None:
-            best = min(best, candidate.probe_seconds)
+        _measure(candidate, reference, probes, device)
+    retime(candidates, lambda c: _decode_seconds(c.decoder, probes, device)[0], repeats)
+    for candidate in candidates:
         log.info(
             "model %s: candidate %s on %s: probe %s s, batch-1 cosine %s%s",
             name,
@@ -136,31 +137,43 @@ def ranked(candidates: list[T]) -> list[T]:
     return out
 
 
+def retime(candidates: list[T], seconds: Callable[[T], float], repeats: int) -> None:
+    """The timed repeats after each candidate's first: in turns over the candidates, so a load
+    that comes and goes during the measurement falls on every candidate alike (and the first
+    one does not pay the process's warm-up alone); each keeps its best. A candidate already
+    ``CLEARLY_SLOWER`` than the best is not repeated."""
+    for _ in range(max(1, repeats) - 1):
+        measured = [c for c in candidates if c.probe_seconds is not None]
+        best = min((c.probe_seconds for c in measured), default=None)
+        for candidate in measured:
+            if candidate.probe_seconds <= best * CLEARLY_SLOWER:
+                candidate.probe_seconds = min(candidate.probe_seconds, seconds(candidate))
+
+
 def _measure(
-    candidate: Candidate,
-    reference: VAEDecoder,
-    probes: gate.Probes,
-    device: torch.device,
-    repeats: int,
-    best: float,
+    candidate: Candidate, reference: VAEDecoder, probes: gate.Probes, device: torch.device
 ) -> None:
+    """Build the candidate's copy and time its first decode of the probe (the gate's batch-1
+    check)."""
     try:
         decoder = modes.build(reference, device, candidate.mode)
         if decoder is not reference:
             timing.instrument(decoder.stages())
-        seconds, out = float("inf"), None
-        for _ in range(max(1, repeats)):
-            t0 = time.perf_counter()
-            out = gate.decode_plain(decoder, probes)
-            devices.synchronize(device)
-            seconds = min(seconds, time.perf_counter() - t0)
-            if seconds > best * CLEARLY_SLOWER:
-                break
+        seconds, out = _decode_seconds(decoder, probes, device)
         candidate.decoder, candidate.probe_seconds = decoder, seconds
         candidate.output = out
         candidate.probe_cosine = gate.check_plain(decoder, probes, out).cosine
     except Exception as exc:  # a mode this device cannot run is not a candidate
         candidate.error = f"{type(exc).__name__}: {exc}"
+
+
+def _decode_seconds(
+    decoder: VAEDecoder, probes: gate.Probes, device: torch.device
+) -> tuple[float, Tensor]:
+    t0 = time.perf_counter()
+    out = gate.decode_plain(decoder, probes)
+    devices.synchronize(device)
+    return time.perf_counter() - t0, out
 
 
 def why(chosen: Timed, candidates: list[T]) -> str:
