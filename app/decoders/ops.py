@@ -51,18 +51,20 @@ def conv3d_direct(
     dilation: tuple[int, ...] = (1, 1, 1),
     groups: int = 1,
 ) -> Tensor:
-    """A 3-D conv, float32 on the CPU on the faster of two kernels for its shape: oneDNN, or
-    for a weight much larger than its input ``slow_conv3d`` (im2col + GEMM, no weight re-pack).
-    PyTorch's own choice goes by B*C*T*H alone, and sends short temporal chunks of the
-    low-res, narrow stages to ``slow_conv3d``, several times slower there. Other dtypes and
-    devices: PyTorch's own dispatch."""
-    cpu_float32 = x.device.type == "cpu" and x.dtype == torch.float32
-    if cpu_float32 and torch.backends.mkldnn.enabled and groups == 1:
+    """A 3-D conv, on the CPU on the faster of two kernels for its shape: for a weight much
+    larger than its input ``slow_conv3d`` (im2col + GEMM, no weight re-pack: oneDNN re-packs
+    the weight on every call), else oneDNN. In float32 oneDNN is called directly: PyTorch's
+    own choice goes by B*C*T*H alone, and sends short temporal chunks of the low-res, narrow
+    stages to ``slow_conv3d``, several times slower there. bf16 otherwise, other dtypes and
+    devices: PyTorch's own dispatch (it knows which CPUs run oneDNN's bf16 kernels)."""
+    cpu = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    if cpu and torch.backends.mkldnn.enabled and groups == 1:
         pad, stride, dil = list(padding), list(stride), list(dilation)
         if weight.numel() > WEIGHT_HEAVY * x.numel() and dil == [1, 1, 1]:
             kernel = list(weight.shape[2:])
             return torch.ops.aten.slow_conv3d(x, weight, kernel, bias, stride, pad)
-        return torch.ops.aten.mkldnn_convolution(x, weight, bias, pad, stride, dil, 1)
+        if x.dtype == torch.float32:
+            return torch.ops.aten.mkldnn_convolution(x, weight, bias, pad, stride, dil, 1)
     return F.conv3d(x, weight, bias, stride, padding, dilation, groups)
 
 
