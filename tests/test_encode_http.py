@@ -29,7 +29,7 @@ from app.decoders import family_module
 from app.decoders.ops import cosine
 from app.encoders import encoder_module
 from app.store import load_encoder, read_manifest, write_model
-from tests.conftest import shared_path
+from tests.conftest import SHARED, shared_path
 from tests.live import ROOT, cli_import, live_server
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,7 +41,7 @@ FLUX_TINY = {
     "norm_num_groups": 8,
 }
 FLUX1_FACTORS = {"scaling_factor": 0.3611, "shift_factor": 0.1159}
-TAEF2 = shared_path("weights", "taef2")
+TAEF2 = SHARED / "weights" / "taef2"  # tests skip where it is absent (_taef2)
 PHOTOS = ("astronaut", "chelsea", "coffee")
 
 
