@@ -29,7 +29,9 @@ from app.runtime.modes import Mode
 log = logging.getLogger("app.runtime.selection")
 
 TIE = 1.05  # a later candidate wins only when faster than an earlier one by more than this
-CLEARLY_SLOWER = 2.0  # a first decode this much slower than the best: no more repeats
+# A first decode this much slower than the best: no more repeats. It spares the hopeless
+# (emulated bf16 runs ten times slower and more), not a first decode's warm-up (docs/BENCHMARKS.md).
+CLEARLY_SLOWER = 3.0
 
 
 class Timed(Protocol):
