@@ -91,12 +91,17 @@ def unpack_tokens(z: Tensor, height: int, width: int, scale: int) -> Tensor:
 
 
 def upsample_conv_phase_weights(weight: Tensor) -> Tensor:
+    """``upsample_phase_kernels``, each phase in the weight's memory layout."""
+    return laid_out_like(upsample_phase_kernels(weight), weight)
+
+
+def upsample_phase_kernels(weight: Tensor) -> Tensor:
     """3x3 kernel after nearest-2x -> four 2x2 kernels, one per output phase (a, b).
 
     Output row 2i+a reads upsampled rows 2i+a-1..2i+a+1, i.e. low-res rows {i-1, i} for
     a=0 (kernel rows 0 | 1+2) and {i, i+1} for a=1 (kernel rows 0+1 | 2); same for columns.
     The last two dims are the 3x3 (a 3-D kernel keeps its time taps).
-    Returns [2, 2, Cout, Cin, (kt,) 2, 2], each phase in the weight's memory layout.
+    Returns [2, 2, Cout, Cin, (kt,) 2, 2], contiguous.
     """
     rows = (
         torch.stack([weight[..., 0, :], weight[..., 1, :] + weight[..., 2, :]], dim=-2),
@@ -109,7 +114,7 @@ def upsample_conv_phase_weights(weight: Tensor) -> Tensor:
             torch.stack([r[..., 0] + r[..., 1], r[..., 2]], dim=-1),
         )
         phases.append(torch.stack(cols))
-    return laid_out_like(torch.stack(phases), weight)
+    return torch.stack(phases)
 
 
 def laid_out_like(kernels: Tensor, weight: Tensor) -> Tensor:

@@ -46,7 +46,7 @@ class PhaseUpsampler(nn.Module):
         self.temporal = up.factor_t > 1
         weight = up.conv.conv.weight.detach()
         phases = [
-            ops.upsample_conv_phase_weights(w)
+            ops.upsample_phase_kernels(w)
             for w in time_phase_weights(weight.to(_sum_dtype(weight)), self.temporal)
         ]  # sums at float32 or better, rounded once
         stacked = ops.laid_out_like(torch.stack(phases).to(weight.dtype), weight)
