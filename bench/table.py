@@ -1,7 +1,7 @@
 """Every family in one table: the service's served path vs diffusers' best setting here.
 
     python -m bench all [--quick] [--repeats 2] [--threads N] [--only FAMILY ...] [--force-bf16]
-                        [--encode]
+                        [--float32] [--encode]
 
 One row per family. diffusers is measured as a user would set it up (float32, float32 with
 channels_last where its convs take it, bf16) and its fastest setting is the row's peer; bf16
@@ -10,6 +10,9 @@ CPUs), and the row says so. The service side is what ``VAE_DTYPE=auto`` serves o
 device (every candidate mode timed on the gate's probe, the fastest that passes the gate:
 ``app/runtime/selection.py``), decoded with the service's default options; the row says why
 that mode won and each candidate's probe time. The cosine is the served output's against diffusers float32's.
+``--float32`` keeps both sides to float32 (the service's float32 fast and exact modes,
+diffusers' float32 settings): what a CPU whose bf16 runs slower than its float32 (issue 29's
+Intel class) serves, measured at this CPU's rates.
 
 Each family runs in its own subprocess (its models are freed before the next family loads);
 inside it the variants share the family's seeded weights (built once by the family's bench
@@ -59,14 +62,19 @@ class Setup:
 SELECTION: dict = {}
 
 
+# --float32: the float32 candidates alone, as a CPU whose bf16 loses to its float32 serves
+FLOAT32_ONLY: list[bool] = [False]
+
+
 def served_mode(reference: VAEDecoder) -> modes.Mode:
     """What ``VAE_DTYPE=auto`` serves on this machine's CPU: the service's own measurement
     (app/runtime/selection.py: every candidate mode timed on the gate's probe, the fastest
     that passes the gate), recorded in ``SELECTION`` for the row."""
     probes = gate.Probes(reference)
-    chosen = selection.choose(
-        reference.family, reference, probes, CPU, modes.candidate_modes("auto", CPU), MIN_COS
-    )
+    candidates = modes.candidate_modes("auto", CPU)
+    if FLOAT32_ONLY[0]:
+        candidates = [m for m in candidates if m.dtype == torch.float32]
+    chosen = selection.choose(reference.family, reference, probes, CPU, candidates, MIN_COS)
     SELECTION.update(
         why=chosen.why,
         gate_cos=chosen.chosen.report.cosine if chosen.chosen.report else None,
@@ -373,7 +381,8 @@ def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     scale = "quick" if args.quick else args.scale
     if args.child:
-        row = measure(args.child, scale, args.repeats, args.skip_bf16)
+        FLOAT32_ONLY[0] = args.float32
+        row = measure(args.child, scale, args.repeats, args.skip_bf16 or args.float32)
         return print(json.dumps(row))
     print(machine_line())
     rates = {d: common.gemm_rate(d, CPU) for d in (torch.float32, torch.bfloat16)}
@@ -391,6 +400,8 @@ def run(args: argparse.Namespace) -> None:
             command += ["--threads", str(args.threads)]
         if emulated and not args.force_bf16:
             command.append("--skip-bf16")
+        if args.float32:
+            command.append("--float32")
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["?"])[-1]
@@ -418,6 +429,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", nargs="*", choices=list(FAMILIES), help="families to run")
     parser.add_argument("--force-bf16", action="store_true", help="run bf16 even when emulated")
     parser.add_argument("--skip-bf16", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--float32",
+        action="store_true",
+        help="float32 on both sides: what a CPU whose bf16 runs slower than float32 serves",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--encode", action="store_true", help="append the encoders' table")
 

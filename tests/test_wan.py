@@ -101,10 +101,33 @@ def test_served_cpu_copy_is_channels_last_3d_and_matches_diffusers(pairs, name):
     phases = [m for m in served.modules() if isinstance(m, ops.PhaseConv)]
     assert phases and all(p.phase_weights[0, 0].is_contiguous(memory_format=CL) for p in phases)
     assert ours.conv_in.weight.is_contiguous()
+    norms = [m for m in served.modules() if isinstance(m, wan.model.RMSNorm)]
+    assert norms and all(isinstance(m, wan.fast.ChannelsLastRMSNorm) for m in norms)
     z = latent(1, config["z_dim"], 3, 4, 3, seed=3)
     expected = ref.decode(z).sample
     for chunk in (1, 0):
         check(f"{name} served chunk {chunk}", served.decode(z, chunk_frames=chunk), expected)
+
+
+@pytest.mark.parametrize("video", [True, False])
+@torch.no_grad()
+def test_channels_last_rms_norm_is_the_norm(video):
+    """The fast path's RMSNorm computes the reference's, zero positions included, from
+    LayerNorm statistics where the channels are innermost and by the reference elsewhere."""
+    norm = wan.model.RMSNorm(24, video=video)
+    norm.gamma.data.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+    fast = wan.fast.ChannelsLastRMSNorm(norm)
+    shape, layout = ((2, 24, 3, 5, 4), torch.channels_last_3d) if video else ((2, 24, 5, 4), CL)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3
+    x[0, :, 0] = 0  # a frame (or row) of all-zero positions: 0, not NaN
+    for dtype, tol in ((torch.float64, 1e-12), (torch.bfloat16, 2e-2)):
+        for inner in (True, False):
+            xi = (x.contiguous(memory_format=layout) if inner else x).to(dtype)
+            assert (ops.channel_mean_square(xi) is not None) == inner
+            got, want = fast.to(dtype)(xi), norm.to(dtype)(xi)
+            assert got.dtype == dtype and not got.isnan().any()
+            torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol)
+            assert got.is_contiguous(memory_format=layout) == inner
 
 
 @pytest.mark.parametrize("name", ["wan2.1", "wan2.2"])

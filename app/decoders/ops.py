@@ -68,6 +68,22 @@ def conv3d_direct(
     return F.conv3d(x, weight, bias, stride, padding, dilation, groups)
 
 
+def channel_mean_square(x: Tensor) -> Tensor | None:
+    """``x.float().square().mean(1, keepdim=True)`` from a fused LayerNorm's float32
+    statistics (var + mean^2), or None when ``x``'s channels are not innermost in memory.
+
+    PyTorch's own reductions over a short innermost dim run several times slower than its
+    LayerNorm, which computes these statistics in one pass (docs/BENCHMARKS.md)."""
+    last = x.movedim(1, -1)
+    if not last.is_contiguous():
+        return None
+    c = x.shape[1]
+    stats = torch.promote_types(x.dtype, torch.float32)  # a float32 weight: float32 stats
+    ones = torch.ones(c, dtype=stats, device=x.device)
+    _, mean, rstd = torch.native_layer_norm(last, (c,), ones, None, 0.0)
+    return (rstd.pow(-2) + mean.square()).movedim(-1, 1)  # rstd = inf where var = 0
+
+
 def patchify2x2(z: Tensor) -> Tensor:
     """[B, C, H, W] -> [B, 4C, H/2, W/2], channel index c*4 + dy*2 + dx."""
     b, c, h, w = z.shape

@@ -2,7 +2,8 @@
 
 ``optimize``, on every device, computes each upsampler's nearest-2x + 3x3 conv as four 2x2
 convs on the low-res grid (``ops.PhaseConv``: the same sums, 4/9 of the FLOPs, no upsampled
-frames). On the CPU it also
+frames), and takes each RMSNorm's per-position scale from a fused LayerNorm's statistics where
+the channels are innermost (``ChannelsLastRMSNorm``). On the CPU it also
   * gives the float32 3x3 convs of 128 to 384 channels their Winograd operands
     (``winograd.py``; ``ops.conv3d`` then runs them by F(4x4, 3x3)). They take four times
     those weights' memory (docs/BENCHMARKS.md);
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from app.decoders import ops, winograd
-from app.decoders.wan.model import Upsampler
+from app.decoders.wan.model import RMSNorm, Upsampler
 
 if TYPE_CHECKING:
     from app.decoders.wan.model import Architecture
@@ -29,8 +30,29 @@ if TYPE_CHECKING:
 MAX_CHANNELS = 384
 
 
+class ChannelsLastRMSNorm(RMSNorm):
+    """``RMSNorm`` with its scale from ``ops.channel_mean_square`` (the reference's where the
+    channels are not innermost): two elementwise passes instead of six."""
+
+    def __init__(self, norm: RMSNorm) -> None:
+        nn.Module.__init__(self)
+        self.gamma, self.scale = norm.gamma, norm.scale  # the same parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean_square = ops.channel_mean_square(x)
+        if mean_square is None:
+            return super().forward(x)
+        # sqrt(C) / max(||x||, 1e-12), F.normalize's clamp, per position
+        inverse = mean_square.sqrt_().clamp_min_(1e-12 / self.scale).reciprocal_()
+        return torch.mul(x, inverse.to(x.dtype)).mul_(self.gamma)
+
+
 def optimize(decoder: Architecture) -> None:
     cpu = decoder.conv_in.weight.device.type == "cpu"
+    for name, norm in list(decoder.named_modules()):
+        if type(norm) is RMSNorm:
+            parent, _, attr = name.rpartition(".")
+            setattr(decoder.get_submodule(parent), attr, ChannelsLastRMSNorm(norm))
     for up in (m for m in decoder.modules() if isinstance(m, Upsampler)):
         conv = up.resample[1]
         if cpu:  # the frames reach it channels-last (they follow the 3-D convs' layout)
