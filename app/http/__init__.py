@@ -21,6 +21,7 @@ from app.drain import Drain, route_sigterm
 from app.http.envelope import Envelope
 from app.http.errors import install_error_handlers
 from app.http.routes import install_routes
+from app.http.serving import Serving
 from app.metrics import Metrics
 from app.runtime import Runtime
 
@@ -68,5 +69,5 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
     )
     app.add_middleware(Envelope)
     install_error_handlers(app)
-    install_routes(app, runtime, metrics, settings, drain)
+    install_routes(app, Serving(runtime, metrics, settings, drain))
     return app

@@ -7,10 +7,9 @@ from collections.abc import Callable
 
 from fastapi import Request, Response
 
-from app.drain import Drain
+from app.http.serving import Serving
 from app.logging_json import log_request
-from app.metrics import Metrics, code_class
-from app.runtime import Runtime
+from app.metrics import code_class
 from app.timing import PhaseTimer
 
 
@@ -18,9 +17,7 @@ def finisher(
     request: Request,
     response: Response,
     name: str | None,
-    runtime: Runtime,
-    metrics: Metrics,
-    drain: Drain,
+    serving: Serving,
     timer: PhaseTimer,
     started: float,
     op: str = "decode",
@@ -30,6 +27,7 @@ def finisher(
     code = response.status_code
     model_label = response.headers.get("x-model", name or "-")
     output_label = response.headers.get("x-output", "-")
+    runtime, metrics = serving.runtime, serving.metrics
     done = False
 
     def finish(size: int) -> None:
@@ -37,7 +35,7 @@ def finisher(
         if done:
             return
         done = True
-        drain.active -= 1
+        serving.drain.active -= 1
         elapsed, phases = time.perf_counter() - started, timer.phases()
         served = runtime.models.get(model_label)
         model_seen = model_label if served else "-"

@@ -18,16 +18,15 @@ from fastapi import Request, Response
 from starlette.requests import ClientDisconnect
 
 from app.config import Settings
-from app.drain import Drain
 from app.http.accounting import finisher, server_timing
 from app.http.errors import CLIENT_GONE, ClientGone, deadline_error, error_response, runtime_error
 from app.http.mp4 import JobStream, _mp4_response
 from app.http.preview import format_of, preview_response
 from app.http.responses import encoded, output_label
-from app.metrics import Metrics
+from app.http.serving import Serving
 from app.protocol import Head, ProtocolError, parse_head, validate
 from app.request import Output
-from app.runtime import Job, Runtime, ServedModel
+from app.runtime import Job, ServedModel
 from app.runtime.channel import FrameChannel
 from app.runtime.scheduler import DeviceLost, QueueFull, Stopped
 from app.store import NAME_RE
@@ -39,16 +38,9 @@ log = logging.getLogger("app.service")
 BODY_LEFT_UNREAD = frozenset({408, 413})
 
 
-async def handle_decode(
-    request: Request,
-    name: str | None,
-    runtime: Runtime,
-    metrics: Metrics,
-    settings: Settings,
-    drain: Drain,
-) -> Response:
-    work = lambda timer: _decode(request, name, runtime, settings, timer)  # noqa: E731
-    return await handled("decode", work, request, name, runtime, metrics, settings, drain)
+async def handle_decode(request: Request, name: str | None, serving: Serving) -> Response:
+    work = lambda timer: _decode(request, name, serving, timer)  # noqa: E731
+    return await handled("decode", work, request, name, serving)
 
 
 async def handled(
@@ -56,10 +48,7 @@ async def handled(
     work: Callable[[PhaseTimer], Awaitable[Response]],
     request: Request,
     name: str | None,
-    runtime: Runtime,
-    metrics: Metrics,
-    settings: Settings,
-    drain: Drain,
+    serving: Serving,
     output: str | None = None,
 ) -> Response:
     """One decode or encode request (``op``) answered and accounted for: counted in the
@@ -68,16 +57,16 @@ async def handled(
     that set none (an encode's, errors included)."""
     started = time.perf_counter()
     timer = PhaseTimer()
-    drain.active += 1
+    serving.drain.active += 1
     try:
-        response = await answered(op, request, lambda: work(timer), settings, drain)
+        response = await answered(op, request, lambda: work(timer), serving)
     except BaseException:  # cancelled by a hard shutdown: still account for it
-        drain.active -= 1
+        serving.drain.active -= 1
         raise
     response.headers["Server-Timing"] = server_timing(timer.phases(), time.perf_counter() - started)
     if output is not None:
         response.headers.setdefault("x-output", output)
-    finish = finisher(request, response, name, runtime, metrics, drain, timer, started, op)
+    finish = finisher(request, response, name, serving, timer, started, op)
     if isinstance(response, JobStream):
         response.on_close = finish
     else:
@@ -86,13 +75,10 @@ async def handled(
 
 
 async def answered(
-    op: str,
-    request: Request,
-    work: Callable[[], Awaitable[Response]],
-    settings: Settings,
-    drain: Drain,
+    op: str, request: Request, work: Callable[[], Awaitable[Response]], serving: Serving
 ) -> Response:
     """``work``'s response (a decode's or an encode's), or the JSON error that answers it."""
+    settings, drain = serving.settings, serving.drain
     try:
         if drain.draining:
             raise ProtocolError(503, "the service is shutting down", "retry: another instance")
@@ -110,11 +96,12 @@ async def answered(
 
 
 async def _decode(
-    request: Request, name: str | None, runtime: Runtime, settings: Settings, timer: PhaseTimer
+    request: Request, name: str | None, serving: Serving, timer: PhaseTimer
 ) -> Response:
+    settings = serving.settings
     with timer.phase("parse"):
         head = parse_head(list(request.query_params.multi_items()), request.headers.items())
-        model = resolve_model(name or head.params.model, runtime, settings)
+        model = resolve_model(name or head.params.model, serving)
         # refused before the body is read when the model's latents have no published factors
         preview_key = format_of(model) if head.params.output_type == "preview" else None
 
@@ -139,7 +126,7 @@ async def _decode(
     channel = FrameChannel(settings.stream_buffer_mb << 20, settings.stream_wait_s)
     job = Job(model, decode, timer, channel if streamed else None)
     try:
-        runtime.submit(job)
+        serving.runtime.submit(job)
     except (QueueFull, Stopped, DeviceLost) as exc:
         raise runtime_error(exc, model.name) from None
     if streamed:
@@ -179,8 +166,9 @@ def deadline(started: float, head: Head, settings: Settings) -> float:
     return started + seconds
 
 
-def resolve_model(name: str | None, runtime: Runtime, settings: Settings) -> ServedModel:
-    name = name or settings.default_model
+def resolve_model(name: str | None, serving: Serving) -> ServedModel:
+    runtime = serving.runtime
+    name = name or serving.settings.default_model
     if name is None and len(runtime.models) == 1:
         name = next(iter(runtime.models))
     if name is None:

@@ -17,11 +17,9 @@ import torch
 from fastapi import Request, Response
 
 from app import media
-from app.config import Settings
-from app.drain import Drain
 from app.http.decode import _outcome, deadline, handled, read_body, resolve_model
 from app.http.errors import runtime_error
-from app.metrics import Metrics
+from app.http.serving import Serving
 from app.protocol import ProtocolError
 from app.protocol.encode import EncoderGeometry, parse_encode_head, validate_encode
 from app.request import EncodeRequest, LatentFormat
@@ -33,27 +31,19 @@ log = logging.getLogger("app.service")
 OUTPUT_LABEL = "latent"  # the output label of an encode's metrics (kind "tensor")
 
 
-async def handle_encode(
-    request: Request,
-    name: str | None,
-    runtime: Runtime,
-    metrics: Metrics,
-    settings: Settings,
-    drain: Drain,
-) -> Response:
-    work = lambda timer: _encode(request, name, runtime, settings, timer)  # noqa: E731
-    return await handled(
-        "encode", work, request, name, runtime, metrics, settings, drain, OUTPUT_LABEL
-    )
+async def handle_encode(request: Request, name: str | None, serving: Serving) -> Response:
+    work = lambda timer: _encode(request, name, serving, timer)  # noqa: E731
+    return await handled("encode", work, request, name, serving, OUTPUT_LABEL)
 
 
 async def _encode(
-    request: Request, name: str | None, runtime: Runtime, settings: Settings, timer: PhaseTimer
+    request: Request, name: str | None, serving: Serving, timer: PhaseTimer
 ) -> Response:
+    settings = serving.settings
     with timer.phase("parse"):
         head = parse_encode_head(list(request.query_params.multi_items()), request.headers.items())
-        model = resolve_model(name or head.params.model, runtime, settings)
-        served = served_encoder(runtime, model.name)
+        model = resolve_model(name or head.params.model, serving)
+        served = served_encoder(serving.runtime, model.name)
 
         async def read(limit: int) -> bytes:
             return await read_body(request, limit, settings.body_timeout_s)
@@ -69,7 +59,7 @@ async def _encode(
         request.state.shape = list(encode.pixels.shape)
     job = EncodeJob(served, encode, timer)
     try:
-        runtime.submit_encode(job)
+        serving.runtime.submit_encode(job)
     except (QueueFull, Stopped, DeviceLost) as exc:
         raise runtime_error(exc, model.name) from None
     latent = await _outcome(request, job, job.future)  # type: ignore[arg-type]

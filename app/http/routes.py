@@ -7,18 +7,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.config import Settings
-from app.drain import Drain
 from app.http.decode import handle_decode
 from app.http.encode import handle_encode
 from app.http.openapi import BODY_DOC, ENCODE_BODY_DOC
-from app.metrics import Metrics
+from app.http.serving import Serving
 from app.runtime import Runtime
 
 
-def install_routes(
-    app: FastAPI, runtime: Runtime, metrics: Metrics, settings: Settings, drain: Drain
-) -> None:
+def install_routes(app: FastAPI, serving: Serving) -> None:
+    runtime = serving.runtime  # the health, readiness and model routes read it
+
     @app.get("/healthz", summary="Process alive")
     @app.head("/healthz", include_in_schema=False)  # load balancers probe with HEAD too
     async def healthz() -> dict[str, str]:
@@ -27,11 +25,11 @@ def install_routes(
     @app.get("/readyz", summary="200 once every model is resident and gated")
     @app.head("/readyz", include_in_schema=False)
     async def readyz() -> JSONResponse:
-        ready = runtime.ready and not drain.draining
+        ready = runtime.ready and not serving.drain.draining
         body = {"ready": ready, "models": sorted(runtime.models), "errors": runtime.errors}
         body["states"] = runtime.registry.describe_states()  # loading/gating/ready/failed
         if not ready:
-            body["reason"] = _not_ready(runtime, drain)
+            body["reason"] = _not_ready(serving)
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/models", summary="Each model: family, config, device, dtype, parity, fallback")
@@ -41,22 +39,22 @@ def install_routes(
             "errors": runtime.errors,
             "loading": runtime.loading,
             "states": runtime.registry.describe_states(),
-            "default": settings.default_model,
+            "default": serving.settings.default_model,
         }
 
     @app.get("/metrics", summary="Prometheus exposition")
     async def prometheus() -> Response:
-        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
+        return Response(serving.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     @app.post(
         "/decode/{model}", summary="Decode one latent (batch allowed)", openapi_extra=BODY_DOC
     )
     async def decode_named(model: str, request: Request) -> Response:
-        return await handle_decode(request, model, runtime, metrics, settings, drain)
+        return await handle_decode(request, model, serving)
 
     @app.post("/decode", summary="Decode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=BODY_DOC)
     async def decode_default(request: Request) -> Response:
-        return await handle_decode(request, None, runtime, metrics, settings, drain)
+        return await handle_decode(request, None, serving)
 
     @app.post(
         "/encode/{model}",
@@ -64,13 +62,13 @@ def install_routes(
         openapi_extra=ENCODE_BODY_DOC,
     )
     async def encode_named(model: str, request: Request) -> Response:
-        return await handle_encode(request, model, runtime, metrics, settings, drain)
+        return await handle_encode(request, model, serving)
 
     @app.post(
         "/encode", summary="Encode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=ENCODE_BODY_DOC
     )
     async def encode_default(request: Request) -> Response:
-        return await handle_encode(request, None, runtime, metrics, settings, drain)
+        return await handle_encode(request, None, serving)
 
 
 def _described(name: str, model: dict[str, Any], runtime: Runtime) -> dict[str, Any]:
@@ -84,8 +82,9 @@ def _described(name: str, model: dict[str, Any], runtime: Runtime) -> dict[str, 
     return {**model, "encoder": encoder}
 
 
-def _not_ready(runtime: Runtime, drain: Drain) -> str:
-    if drain.draining:
+def _not_ready(serving: Serving) -> str:
+    runtime = serving.runtime
+    if serving.drain.draining:
         return "draining: the service is shutting down"
     if runtime.loading:
         return "loading models and running parity gates"
