@@ -7,6 +7,7 @@ import importlib
 
 BENCHES = {
     "all": "bench.table",
+    "profile": "bench.profile",
     "encode": "bench.encode",
     "flux": "bench.flux",
     "hunyuan-video": "bench.hunyuan_video",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 
 def machine() -> str:
@@ -97,6 +97,13 @@ def _gemm(dtype: torch.dtype, device: torch.device, n: int, repeats: int) -> flo
     b = torch.randn(n, n, device=device).to(dtype)
     seconds = time_it(lambda: a @ b, device, repeats=repeats, warmup=1)
     return 2 * n**3 / seconds
+
+
+@register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+def _cpu_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """The CPU flash kernel's q k^T and p v (FlopCounterMode counts only the GPU kernels)."""
+    b, h, n, d = query
+    return 4 * b * h * n * key[-2] * d
 
 
 def count_flops(fn: Callable[[], object]) -> int:

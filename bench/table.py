@@ -278,6 +278,7 @@ FAMILIES: dict[str, Callable[[str], Setup]] = {
     "taesd": taesd,
 }
 EMULATED = "skipped: bf16 emulated"
+NOT_ASKED = "skipped: --float32"
 SERVED = "served"
 
 
@@ -291,7 +292,7 @@ def measure(family: str, scale: str, repeats: int, skip_bf16: bool) -> dict:
     decodes = {}
     for setting, make in setup.peers.items():
         if skip_bf16 and "bf16" in setting:
-            peers[setting] = EMULATED
+            peers[setting] = NOT_ASKED if FLOAT32_ONLY[0] else EMULATED
         else:
             decodes[setting] = make()
     mode, decodes[SERVED], own = setup.served()

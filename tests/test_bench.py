@@ -58,6 +58,24 @@ def test_float32_table_measures_float32_on_both_sides(monkeypatch):
     row = table.measure("ltx2", "tiny", repeats=1, skip_bf16=True)
     assert set(row["candidates"]) == {"float32", "float32 exact"}
     assert row["served"] in row["candidates"] and row["best"].startswith("fp32")
+    assert row["peers"]["bf16"] == table.NOT_ASKED
+
+
+def test_profile_rows_split_the_op_time():
+    """``python -m bench profile`` on the tiniest shape: both sides profiled, the kinds' shares
+    of the op time add up to one, and the conv/GEMM/attention FLOPs were counted."""
+    import torch
+
+    profile = importlib.import_module("bench.profile")
+    measured = profile.measure("ltx2", "tiny", torch.float32)
+    sides = [r["side"] for r in measured["rows"]]
+    assert sides == ["diffusers fp32", "service float32"]
+    for r in measured["rows"]:
+        assert sum(r[k] for k in profile.KINDS) == pytest.approx(1.0)
+        assert r["conv"] > 0 and r["gflop"] > 0 and r["rate"] > 0 and r["seconds"] > 0
+    assert profile.kind("aten::mkldnn_convolution") == "conv"
+    assert profile.kind("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert profile.kind("aten::convolution") == "rest"  # a wrapper: its kernel is counted
 
 
 def test_family_rows_build_their_setups():

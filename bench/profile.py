@@ -1,0 +1,125 @@
+"""Where a decode's time goes: the served copy's ops against diffusers', family by family.
+
+    python -m bench profile [--quick] [--only FAMILY ...] [--mode bfloat16|float32]
+                            [--threads N]
+
+Each family is ``bench.table``'s setup (same shapes, same seeded weights). The service side
+is the copy of ``--mode`` (optimized: the fast path the gate would measure), diffusers' side
+its first setting of the same dtype (bf16 / bf16+CL, or fp32). Each decodes once as a
+warm-up, then once under ``torch.profiler`` and once under ``FlopCounterMode``. A row gives
+the profiled decode's seconds, the share of its op time in convolutions, GEMMs and attention
+(the rest is elementwise work, copies and norms), and the FLOPs of those three over the time
+they took, beside the machine's GEMM rate: a row whose rate is near the GEMM rate and whose
+rest is small has nothing left to gain but FLOPs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from app.runtime import modes
+from bench import common, table
+
+CPU = torch.device("cpu")
+KINDS = ("conv", "gemm", "attention", "rest")
+CONV = {
+    "aten::mkldnn_convolution",
+    "aten::slow_conv3d_forward",
+    "aten::_slow_conv2d_forward",
+    "aten::_nnpack_spatial_convolution",
+}
+GEMM = {"aten::addmm", "aten::addmm_", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::baddbmm_"}
+
+
+def kind(op: str) -> str:
+    """What an op's self time counts as (the kernels, not their wrappers)."""
+    if op in CONV:
+        return "conv"
+    if op in GEMM:
+        return "gemm"
+    return "attention" if "scaled_dot_product" in op and "for_cpu" in op else "rest"
+
+
+def row(side: str, decode: table.Decode) -> dict:
+    """One decode profiled after a warm-up: its seconds, each kind's share of the op time,
+    and the FLOPs of the conv, GEMM and attention kernels over their time."""
+    decode()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        decode()
+        wall = time.perf_counter() - t0
+    seconds = dict.fromkeys(KINDS, 0.0)
+    for event in prof.key_averages():
+        seconds[kind(event.key)] += event.self_cpu_time_total / 1e6
+    busy, total = sum(seconds.values()) - seconds["rest"], sum(seconds.values())
+    flops = common.count_flops(decode)
+    return {
+        "side": side,
+        "seconds": wall,
+        **{k: seconds[k] / total for k in KINDS},
+        "gflop": flops / 1e9,
+        "rate": flops / busy / 1e9 if busy else 0.0,
+    }
+
+
+@torch.inference_mode()
+def measure(family: str, scale: str, dtype: torch.dtype) -> dict:
+    """The family's shape, and its diffusers row and service row at ``dtype``."""
+    table.served_mode = lambda reference: modes.Mode(dtype)  # the copy asked for, no selection
+    setup = table.FAMILIES[family](scale)
+    prefix = "bf16" if dtype == torch.bfloat16 else "fp32"
+    setting = next(k for k in setup.peers if k.startswith(prefix))
+    rows = [row(f"diffusers {setting}", setup.peers[setting]())]
+    mode, decode, _ = setup.served()
+    rows.append(row(f"service {mode}", decode))
+    return {"shape": setup.shape, "rows": rows}
+
+
+def format_rows(family: str, measured: dict) -> str:
+    return "\n".join(
+        f"| {family} | {measured['shape']} | {r['side']} | {r['seconds']:.2f} "
+        + " ".join(f"| {100 * r[k]:.0f}%" for k in KINDS)
+        + f" | {r['gflop']:.0f} | {r['rate']:.0f} |"
+        for r in measured["rows"]
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    scale = "quick" if args.quick else args.scale
+    dtype = modes.DTYPES[args.mode]
+    if args.child:
+        return print(json.dumps(measure(args.child, scale, dtype)))
+    print(table.machine_line())
+    rate = common.gemm_rate(dtype, CPU)
+    print(f"GEMM rate: {str(dtype)[6:]} {rate / 1e9:.0f} GFLOP/s")
+    print(
+        "| family | shape | side | s | conv | GEMM | attention | rest "
+        "| GFLOP | conv+GEMM+attention GFLOP/s |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for family in args.only or table.FAMILIES:
+        command = [sys.executable, "-m", "bench", "profile", "--child", family]
+        command += ["--scale", scale, "--mode", args.mode, "--threads", str(args.threads)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["?"])[-1]
+            print(f"| {family} | failed: {last[:200]} |||||||||")
+            continue
+        print(format_rows(family, json.loads(done.stdout.strip().splitlines()[-1])), flush=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="small shapes (= --scale quick)")
+    parser.add_argument("--scale", choices=table.SCALES, default="full", help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="*", choices=list(table.FAMILIES), help="families")
+    parser.add_argument("--mode", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
