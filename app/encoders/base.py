@@ -29,9 +29,6 @@ class VAEEncoder(nn.Module, ABC):
     is_video: ClassVar[bool] = False
     # False for encoders whose output is the latent itself (TAESD): no logvar half.
     gaussian: ClassVar[bool] = True
-    # Submodules a reduced-precision copy runs in float32, weights and arithmetic (its
-    # inputs cast up, its outputs back): where bf16 rounding alone fails the parity gate.
-    float32_modules: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
@@ -76,10 +73,6 @@ class VAEEncoder(nn.Module, ABC):
         std = torch.exp(0.5 * logvar.clamp(-30.0, 20.0))
         noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device="cpu")
         return mean + std * noise.to(mean.device)
-
-    def keeps_float32(self, name: str) -> bool:
-        """Whether a reduced-precision copy keeps parameter ``name`` in float32."""
-        return any(name.startswith(f"{module}.") for module in self.float32_modules)
 
     def normalize(self, z: Tensor) -> Tensor:
         """The model's own latent normalisation (``do_scaling`` without factors): the inverse

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from app import timing
 from app.decoders.ops import cosine
@@ -237,9 +237,6 @@ def build(reference: VAEEncoder, device: torch.device, mode: Mode) -> VAEEncoder
             param.data = param.data.to(mode.dtype)
     if mode.optimized:
         fast.optimize()
-    if mode.dtype != torch.float32:
-        for name in fast.float32_modules:
-            _run_in_float32(fast.get_submodule(name), mode.dtype)
     _instrument(fast)
     return fast.eval().requires_grad_(False)
 
@@ -247,23 +244,12 @@ def build(reference: VAEEncoder, device: torch.device, mode: Mode) -> VAEEncoder
 def _cast_names(reference: VAEEncoder, dtype: torch.dtype) -> set[str]:
     """The floating parameters a copy in ``dtype`` casts: all but those the family
     ``keeps_float32`` (MiniMax-H3's reference pins its whole encoder to float32)."""
+    keeps = getattr(reference, "keeps_float32", lambda name: False)
     return {
         name
         for name, param in reference.named_parameters()
-        if param.is_floating_point()
-        and not (dtype != torch.float32 and reference.keeps_float32(name))
+        if param.is_floating_point() and not (dtype != torch.float32 and keeps(name))
     }
-
-
-def _run_in_float32(module: nn.Module, dtype: torch.dtype) -> None:
-    """``module`` (whose parameters the copy kept in float32) reads its floating inputs in
-    float32 and hands its output on in the copy's ``dtype``."""
-
-    def up(_: nn.Module, args: tuple) -> tuple:
-        return tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
-
-    module.register_forward_pre_hook(up)
-    module.register_forward_hook(lambda _m, _args, out: out.to(dtype))
 
 
 @torch.inference_mode()
@@ -282,7 +268,6 @@ def _seconds(candidate: Candidate) -> str:
 
 
 def _dtype(encoder: VAEEncoder) -> torch.dtype:
-    """The dtype the encoder's first layer reads (float32 where it is a float32 module)."""
     return next(encoder.parameters()).dtype
 
 

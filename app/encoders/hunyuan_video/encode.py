@@ -68,8 +68,6 @@ class Encoder(VAEEncoder):
 
     family = "hunyuan-video"
     is_video = True
-    # a bf16 copy misses the gate by a hair without these two (docs/encoders.md)
-    float32_modules = ("encoder.conv_in", "encoder.mid_block")
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**DEFAULTS, **config})
