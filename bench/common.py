@@ -15,7 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    bmm_flop,
+    conv_flop_count,
+    register_flop_formula,
+)
 
 
 def machine() -> str:
@@ -104,6 +109,18 @@ def _cpu_attention_flops(query, key, value, *args, out_shape=None, **kwargs) -> 
     """The CPU flash kernel's q k^T and p v (FlopCounterMode counts only the GPU kernels)."""
     b, h, n, d = query
     return 4 * b * h * n * key[-2] * d
+
+
+@register_flop_formula(torch.ops.aten.slow_conv3d_forward)
+def _im2col_conv3d_flops(x, weight, kernel, bias, stride, padding, *, out_shape) -> int:
+    """``ops.conv3d_direct``'s im2col + GEMM conv (the counter knows only ``convolution``)."""
+    return conv_flop_count(x, weight, out_shape, transposed=False)
+
+
+@register_flop_formula(torch.ops.aten.baddbmm_)
+def _inplace_baddbmm_flops(self, a, b, *args, out_shape=None, **kwargs) -> int:
+    """Winograd's accumulating GEMMs (``winograd.py``)."""
+    return bmm_flop(a, b)
 
 
 def count_flops(fn: Callable[[], object]) -> int:

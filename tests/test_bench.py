@@ -78,6 +78,22 @@ def test_profile_rows_split_the_op_time():
     assert profile.kind("aten::convolution") == "rest"  # a wrapper: its kernel is counted
 
 
+def test_flops_count_the_service_kernels():
+    """The im2col conv (``ops.conv3d_direct``) and Winograd's in-place GEMMs count as the
+    plain ops they compute."""
+    import torch
+    import torch.nn.functional as F
+
+    from bench import common
+
+    x, w = torch.randn(1, 8, 4, 6, 6), torch.randn(4, 8, 3, 3, 3)
+    assert common.count_flops(
+        lambda: torch.ops.aten.slow_conv3d(x, w, [3, 3, 3], None, [1, 1, 1], [0, 0, 0])
+    ) == common.count_flops(lambda: F.conv3d(x, w))
+    a, b = torch.randn(2, 3, 5), torch.randn(2, 5, 4)
+    assert common.count_flops(lambda: torch.zeros(2, 3, 4).baddbmm_(a, b)) == 2 * 2 * 3 * 4 * 5
+
+
 def test_family_rows_build_their_setups():
     """The rows' builders against the decoders' current interface (the table runs them only
     in subprocesses, where a renamed helper shows up as a failed row): MiniMax-H3's whole
