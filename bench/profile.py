@@ -79,12 +79,11 @@ def row(side: str, decode: table.Decode, repeats: int) -> dict:
 @torch.inference_mode()
 def measure(family: str, scale: str, dtype: torch.dtype, repeats: int = 1) -> dict:
     """The family's shape, and its diffusers row and service row at ``dtype``."""
-    table.served_mode = lambda reference: modes.Mode(dtype)  # the copy asked for, no selection
     setup = table.FAMILIES[family](scale)
     prefix = "bf16" if dtype == torch.bfloat16 else "fp32"
     setting = next(k for k in setup.peers if k.startswith(prefix))
     rows = [row(f"diffusers {setting}", setup.peers[setting](), repeats)]
-    mode, decode, _ = setup.served()
+    mode, decode, _ = setup.served(lambda reference: modes.Mode(dtype))  # no selection
     rows.append(row(f"service {mode}", decode, repeats))
     return {"shape": setup.shape, "rows": rows}
 

@@ -34,6 +34,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -44,6 +45,7 @@ from app.runtime import gate, modes, selection
 from bench import common
 
 Decode = Callable[[], torch.Tensor]
+Choose = Callable[[VAEDecoder], modes.Mode]  # the mode a served copy is built in
 CPU = torch.device("cpu")
 MIN_COS = Settings.model_fields["parity_min_cos"].default
 SCALES = ("tiny", "quick", "full")
@@ -55,24 +57,21 @@ class Setup:
 
     shape: str
     peers: dict[str, Callable[[], Decode]]  # setting -> make() -> decode(), built lazily
-    served: Callable[[], tuple[str, Decode, int]]  # make() -> (mode, decode(), own bytes)
+    served: Callable[[Choose], tuple[str, Decode, int]]  # make(choose) -> (mode, decode(), own)
 
 
 # how the served mode was chosen (this process measures one family): why, candidate times
 SELECTION: dict = {}
 
 
-# --float32: the float32 candidates alone, as a CPU whose bf16 loses to its float32 serves
-FLOAT32_ONLY: list[bool] = [False]
-
-
-def served_mode(reference: VAEDecoder) -> modes.Mode:
+def served_mode(reference: VAEDecoder, float32_only: bool = False) -> modes.Mode:
     """What ``VAE_DTYPE=auto`` serves on this machine's CPU: the service's own measurement
     (app/runtime/selection.py: every candidate mode timed on the gate's probe, the fastest
-    that passes the gate), recorded in ``SELECTION`` for the row."""
+    that passes the gate), recorded in ``SELECTION`` for the row. ``float32_only``: its
+    float32 candidates alone, as a CPU whose bf16 loses to its float32 serves."""
     probes = gate.Probes(reference)
     candidates = modes.candidate_modes("auto", CPU)
-    if FLOAT32_ONLY[0]:
+    if float32_only:
         candidates = [m for m in candidates if m.dtype == torch.float32]
     chosen = selection.choose(reference.family, reference, probes, CPU, candidates, MIN_COS)
     SELECTION.update(
@@ -83,9 +82,11 @@ def served_mode(reference: VAEDecoder) -> modes.Mode:
     return chosen.chosen.mode
 
 
-def _served(reference: torch.nn.Module, decode: Callable) -> Callable[[], tuple[str, Decode, int]]:
-    def make() -> tuple[str, Decode, int]:
-        mode = served_mode(reference)
+def _served(
+    reference: torch.nn.Module, decode: Callable
+) -> Callable[[Choose], tuple[str, Decode, int]]:
+    def make(choose: Choose) -> tuple[str, Decode, int]:
+        mode = choose(reference)
         model = modes.build(reference, CPU, mode)
         return str(mode), lambda: decode(model), common.own_bytes(model, reference)
 
@@ -227,8 +228,8 @@ def minimax_h3(scale: str) -> Setup:
 
         return make
 
-    def served() -> tuple[str, Decode, int]:
-        mode = served_mode(decoder)
+    def served(choose: Choose) -> tuple[str, Decode, int]:
+        mode = choose(decoder)
         model = modes.build(decoder, CPU, mode)
         decode = update(b.stack(model.decoder.transformer_blocks, x, ours_rope))
         return str(mode), decode, common.own_bytes(model, decoder)
@@ -284,18 +285,24 @@ SERVED = "served"
 
 # --- measuring one family -----------------------------------------------------------------
 @torch.inference_mode()
-def measure(family: str, scale: str, repeats: int, skip_bf16: bool) -> dict:
+def measure(
+    family: str, scale: str, repeats: int, skip_bf16: bool, float32_only: bool = False
+) -> dict:
     """One row: every diffusers setting's median seconds (or why it was skipped), the
-    fastest of them, the served path's median seconds and its cosine against diffusers fp32."""
+    fastest of them, the served path's median seconds and its cosine against diffusers fp32
+    (``float32_only``: both sides in float32)."""
     setup = FAMILIES[family](scale)
     peers: dict[str, float | str] = {}
     decodes = {}
     for setting, make in setup.peers.items():
-        if skip_bf16 and "bf16" in setting:
-            peers[setting] = NOT_ASKED if FLOAT32_ONLY[0] else EMULATED
+        if float32_only and "bf16" in setting:
+            peers[setting] = NOT_ASKED
+        elif skip_bf16 and "bf16" in setting:
+            peers[setting] = EMULATED
         else:
             decodes[setting] = make()
-    mode, decodes[SERVED], own = setup.served()
+    choose = partial(served_mode, float32_only=float32_only)
+    mode, decodes[SERVED], own = setup.served(choose)
     outputs = {name: fn().float() for name, fn in decodes.items()}  # also the warm-ups
     times = common.interleaved(decodes, CPU, repeats)  # a load change hits every variant
     seconds = times.pop(SERVED)
@@ -382,8 +389,7 @@ def run(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     scale = "quick" if args.quick else args.scale
     if args.child:
-        FLOAT32_ONLY[0] = args.float32
-        row = measure(args.child, scale, args.repeats, args.skip_bf16 or args.float32)
+        row = measure(args.child, scale, args.repeats, args.skip_bf16, args.float32)
         return print(json.dumps(row))
     print(machine_line())
     rates = {d: common.gemm_rate(d, CPU) for d in (torch.float32, torch.bfloat16)}

@@ -50,12 +50,11 @@ def test_table_rows_on_the_tiniest_shapes():
     assert "AVX2" in table.machine_line()
 
 
-def test_float32_table_measures_float32_on_both_sides(monkeypatch):
+def test_float32_table_measures_float32_on_both_sides():
     """``--float32``: the service's candidates are its float32 modes alone and diffusers'
     bf16 settings are skipped, so the row compares float32 with float32."""
     table = importlib.import_module("bench.table")
-    monkeypatch.setattr(table, "FLOAT32_ONLY", [True])
-    row = table.measure("ltx2", "tiny", repeats=1, skip_bf16=True)
+    row = table.measure("ltx2", "tiny", repeats=1, skip_bf16=False, float32_only=True)
     assert set(row["candidates"]) == {"float32", "float32 exact"}
     assert row["served"] in row["candidates"] and row["best"].startswith("fp32")
     assert row["peers"]["bf16"] == table.NOT_ASKED
