@@ -83,7 +83,7 @@ def live_server(store: Path, **settings: Any) -> Iterator[str]:
             if requests.get(f"{url}/readyz", timeout=1).status_code in (200, 503):
                 if not app.state.runtime.loading:
                     break
-        except requests.ConnectionError:
+        except (requests.ConnectionError, requests.Timeout):  # not up yet, or busy loading
             pass
         time.sleep(0.05)
     try:
