@@ -38,12 +38,24 @@ _HANDLER_FLAG = "_vae_logging_json"
 # C0 and C1 controls, DEL, and the Unicode line/paragraph separators: a CR/LF in a logged value
 # would start a forged line in a text log; a NUL truncates some readers.
 _CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# A secret a client puts in a URL (``?token=...``) is refused as auth, but the URL is logged:
+# the value of any query key that names a credential, and a bearer token anywhere in a line,
+# is replaced before the line is written.
+_SECRET_KEYS = r"[\w.-]*(?:token|key|secret|passw(?:or)?d|pwd|auth\w*|credential|signature|sig|session|jwt|bearer)[\w.-]*"
+_SECRET_PARAM = re.compile(rf"(?i)((?:^|[?&;\s\"'])(?:{_SECRET_KEYS})=)[^&;\s\"'#]*")
+_BEARER = re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]+")
+REDACTED = "REDACTED"
 
 
 def escape_controls(text: str) -> str:
     """``text`` with every control character written as a visible escape (``\\x0d``)."""
     return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
                          else f"\\u{ord(m.group()):04x}", text)  # fmt: skip
+
+
+def redact(text: str) -> str:
+    """``text`` with credentials in query strings and bearer tokens replaced by REDACTED."""
+    return _BEARER.sub(rf"\1{REDACTED}", _SECRET_PARAM.sub(rf"\1{REDACTED}", text))
 
 
 def _severity(levelno: int) -> str:
@@ -62,6 +74,9 @@ class TextFormatter(logging.Formatter):
         escaped = logging.makeLogRecord(record.__dict__)
         escaped.message = escape_controls(record.message)
         return super().formatMessage(escaped)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
 
 class JsonFormatter(logging.Formatter):
@@ -88,7 +103,7 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "json_fields", None)
         if isinstance(fields, Mapping):
             entry.update(fields)
-        return _json.dumps(entry, ensure_ascii=False, separators=(",", ":"), default=str)
+        return redact(_json.dumps(entry, ensure_ascii=False, separators=(",", ":"), default=str))
 
 
 def json_from_env() -> bool:
@@ -122,13 +137,11 @@ def configure_logging(json: bool | None = None, level: int = logging.INFO,
     root.setLevel(level)
 
 
-def uvicorn_kwargs(json: bool | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``uvicorn.run``: in JSON mode uvicorn installs no handlers of its own
-    (its loggers propagate to the JSON root handler) and its access log is off, since
-    ``log_request`` writes the richer per-request line."""
-    if json is None:
-        json = json_from_env()
-    return {"log_config": None, "access_log": False} if json else {}
+def uvicorn_kwargs() -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.run``: uvicorn installs no handlers of its own (its
+    loggers propagate to the root handler, JSON or text, redacted like every line) and its
+    access log is off: the service writes the one line per request (``log_request``)."""
+    return {"log_config": None, "access_log": False}
 
 
 def _clip(value: Any, limit: int = MAX_FIELD) -> str:
@@ -162,9 +175,10 @@ def log_request(request_id: str, model: str | None, shape: Sequence[int] | None,
                 device: str | None, fallback: bool | None, latency_s: float, method: str,
                 url: str, user_agent: str | None, response_size: int | None, *,
                 trace_header: str | None = None, remote_ip: str | None = None,
-                project: str | None = None,
+                project: str | None = None, quiet: bool = False,
                 logger: logging.Logger | None = None) -> dict[str, Any]:  # fmt: skip
-    """Write the one structured line of a decode request; returns the fields it logged.
+    """Write the one structured line of a request; returns the fields it logged. ``quiet``: a
+    probe or a scrape answered as expected, logged at DEBUG.
 
     ``phases_ms``: milliseconds per phase (``{k: s * 1000 for k, s in timer.phases().items()}``);
     ``latency_s``: end-to-end seconds; ``trace_header``: ``X-Cloud-Trace-Context`` or
@@ -173,7 +187,7 @@ def log_request(request_id: str, model: str | None, shape: Sequence[int] | None,
     status = int(status)
     http_request: dict[str, Any] = {
         "requestMethod": _clip(method, 16),
-        "requestUrl": _clip(url, MAX_URL),
+        "requestUrl": redact(_clip(url, MAX_URL)),
         "status": status,
         "latency": f"{max(0.0, float(latency_s)):.6f}s",
         "userAgent": _clip(user_agent, MAX_AGENT),
@@ -197,9 +211,12 @@ def log_request(request_id: str, model: str | None, shape: Sequence[int] | None,
     }
     fields.update(trace_fields(trace_header, project))
     level = logging.ERROR if status >= 500 else logging.WARNING if status >= 400 else logging.INFO
+    if quiet:
+        level = logging.DEBUG
     # The format string is a constant; every value arrives as an argument.
     (logger or logging.getLogger(REQUEST_LOGGER)).log(
-        level, "%s %s %d %.3fs", http_request["requestMethod"], http_request["requestUrl"], status,
-        float(latency_s), extra={"json_fields": fields}, stacklevel=2,
+        level, "%s %s %d %.3fs id=%s", http_request["requestMethod"], http_request["requestUrl"],
+        status, float(latency_s), fields["request_id"], extra={"json_fields": fields},
+        stacklevel=2,
     )  # fmt: skip
     return fields

@@ -57,6 +57,7 @@ async def handled(
     that set none (an encode's, errors included)."""
     started = time.perf_counter()
     timer = PhaseTimer()
+    request.state.logged = True  # its line comes from ``finisher``, with the phases
     serving.drain.active += 1
     try:
         response = await answered(op, request, lambda: work(timer), serving)

@@ -6,11 +6,13 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.errors import error_response
+from app.logging_json import log_request
 from app.streams import StreamAborted
 
 log = logging.getLogger("app.service")
@@ -24,6 +26,7 @@ SECURITY_HEADERS = {
 }
 API_CSP = "default-src 'none'; frame-ancestors 'none'"
 DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc"})  # Swagger UI needs scripts
+QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # probes and scrapes: DEBUG
 
 
 class Envelope:
@@ -41,15 +44,26 @@ class Envelope:
         started = time.perf_counter()
         state = scope.setdefault("state", {})
         state["request_id"], state["started"] = rid, started
-        sent = False
+        sent, status, size = False, 500, 0
 
         async def send_with_headers(message: Message) -> None:
-            nonlocal sent
+            nonlocal sent, status, size
             if message["type"] == "http.response.start":
-                sent = True
+                sent, status = True, message["status"]
                 _decorate(MutableHeaders(scope=message), rid, started, scope["path"])
+            elif message["type"] == "http.response.body":
+                size += len(message.get("body", b""))
             await send(message)
 
+        try:
+            await self._answer(scope, receive, send_with_headers, rid, lambda: sent)
+        finally:
+            if not state.get("logged"):  # the decode and encode handlers log their own line
+                _log(scope, rid, status, size, time.perf_counter() - started)
+
+    async def _answer(
+        self, scope: Scope, receive: Receive, send_with_headers: Send, rid: str, sent: Callable
+    ) -> None:
         if header(scope, b"content-length") and header(scope, b"transfer-encoding"):
             # framed twice (RFC 9112 6.3): a proxy that frames by Content-Length would read
             # the rest as another request; refuse it and close, so nothing after it runs
@@ -68,10 +82,28 @@ class Envelope:
             raise  # an aborted stream: logged as one warning line where it ended
         except Exception:
             log.exception("unhandled error in request %s", rid)
-            if sent:
+            if sent():
                 raise
             body = {"error": "internal server error", "request_id": rid}
             await error_response(500, body)(scope, receive, send_with_headers)
+
+
+def _log(scope: Scope, rid: str, status: int, size: int, seconds: float) -> None:
+    """The one line of a request no handler logged (model list, probes, refusals by auth)."""
+    query = scope.get("query_string", b"").decode("latin-1")
+    url = scope["path"] + (f"?{query}" if query else "")
+    client = scope.get("client")
+    log_request(
+        rid, None, None, None, status, {}, None, None, seconds, scope["method"], url,
+        header(scope, b"user-agent") or None, size,
+        trace_header=header(scope, b"x-cloud-trace-context") or header(scope, b"traceparent"),
+        remote_ip=client[0] if client else None, quiet=_quiet(scope["path"], status),
+    )  # fmt: skip
+
+
+def _quiet(path: str, status: int) -> bool:
+    """A probe or scrape answered as expected (not ready yet is an expected answer)."""
+    return path in QUIET_PATHS and (status < 400 or (path == "/readyz" and status == 503))
 
 
 def header(scope: Scope, name: bytes) -> str:
