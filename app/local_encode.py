@@ -3,9 +3,9 @@ encode`` without ``--url``): the entry's encoder, exact float32 on the CPU.
 
 ``encode_file`` is the one entry point. Images are preprocessed as diffusers'
 ``VaeImageProcessor`` does (RGB, Lanczos-resized down to a multiple of the encoder's spatial
-scale when they are not one, then to [-1, 1]); MP4 frames are read with imageio-ffmpeg's
-ffmpeg and each treated the same way. Module level imports no torch, so the command line
-fails fast on bad arguments.
+scale when they are not one, then to [-1, 1]); MP4 frames are read by ``app.media_input``
+(the service's reader: ffmpeg with the container forced) and each treated the same way.
+Module level imports no torch, so the command line fails fast on bad arguments.
 """
 
 from __future__ import annotations
@@ -106,12 +106,15 @@ def load_local_encoder(store: Path, name: str) -> Any:
 
 def preprocess(image: Any, multiple: int) -> Any:
     """A PIL image -> ``[1, 3, H, W]`` float32 in [-1, 1], as ``VaeImageProcessor.preprocess``
-    (``vae_scale_factor=multiple``): sizes rounded down to the multiple with Lanczos."""
+    (``vae_scale_factor=multiple``): RGB as ``media_input.rgb_image`` makes it (16-bit grey
+    scaled, not clipped), sizes rounded down to the multiple with Lanczos."""
     import numpy as np
     import torch
     from PIL import Image
 
-    image = image.convert("RGB")
+    from app.media_input import rgb_image
+
+    image = rgb_image(image)
     w, h = image.size
     size = (w - w % multiple, h - h % multiple)
     if 0 in size:
@@ -123,34 +126,32 @@ def preprocess(image: Any, multiple: int) -> Any:
 
 
 def read_image(path: Path, multiple: int) -> Any:
+    """Opened as the service opens a body: PNG, JPEG or WebP only, whatever the suffix."""
     from PIL import Image, UnidentifiedImageError
 
+    from app.media_input import IMAGE_FORMATS
+
     try:
-        with Image.open(path) as image:
+        with Image.open(path, formats=IMAGE_FORMATS) as image:
             return preprocess(image, multiple)
     except UnidentifiedImageError as exc:
         raise LocalEncodeError(f"{path}: not a readable image ({exc})") from exc
 
 
 def read_video(path: Path, multiple: int) -> Any:
-    """The MP4's frames -> ``[1, 3, T, H, W]`` in [-1, 1] (each frame as ``preprocess``)."""
-    import imageio_ffmpeg
-    import numpy as np
+    """The MP4's frames -> ``[1, 3, T, H, W]`` in [-1, 1] (each frame as ``preprocess``),
+    read by the service's reader: the ``.mp4`` suffix forces ffmpeg's MP4 demuxer, so a
+    file so named that is a concat script or a playlist cannot open other files either."""
     import torch
     from PIL import Image
 
-    reader = imageio_ffmpeg.read_frames(str(path))
+    from app.media_input import MediaError, mp4_frames, probe_mp4
+
     try:
-        meta = next(reader)
-        w, h = meta["size"]
-        frames = [
-            preprocess(Image.fromarray(np.frombuffer(f, np.uint8).reshape(h, w, 3)), multiple)
-            for f in reader
-        ]
-    except (RuntimeError, OSError, StopIteration) as exc:
-        raise LocalEncodeError(f"{path}: not a readable video ({exc})") from exc
-    finally:
-        reader.close()
+        info = probe_mp4(path)
+        frames = [preprocess(Image.fromarray(f), multiple) for f in mp4_frames(path, info)]
+    except MediaError as exc:
+        raise LocalEncodeError(f"{path}: {exc.message}") from None
     if not frames:
         raise LocalEncodeError(f"{path}: the video has no frames")
     return torch.stack(frames, dim=2)

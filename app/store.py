@@ -12,6 +12,11 @@ unpublished versions are removed by the next writer of that name. Stores of the 
 layout (``DIR/NAME/manifest.json`` + ``decoder.safetensors``) load as they are, and the next
 write upgrades them atomically. ``import`` converts a checkpoint once into canonical
 safetensors; ``serve`` memory-maps them (nothing on the load path unpickles).
+
+Links: the store follows one kind, its own entry link, and only to ``.entries/NAME@...`` (its
+literal target is checked). Any other link below the root (``.entries``, a version folder, a
+manifest or part file, ``.locks`` or a lock file) refuses the entry by name; part files are
+plain names inside the entry. The root itself is the operator's path and may be a link.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -73,9 +79,65 @@ def check_name(name: str) -> str:
 def entry_dir(store: Path, name: str) -> Path:
     """The folder holding one entry's current manifest and weights (its published version, or
     the flat folder of an older store). Files written there belong to that version: write them
-    atomically (temporary name, then rename); a later import of the name replaces the folder."""
+    atomically (temporary name, then rename); a later import of the name replaces the folder.
+    The entry link is followed only to this name's version in ``.entries``, itself no link."""
     link = Path(store) / check_name(name)
-    return link.resolve() if link.is_symlink() else link
+    if not link.is_symlink():
+        return link  # the flat folder of an older store (or none: its manifest is missing)
+    version = _version_of(name, os.readlink(link))
+    entries = Path(store).resolve() / ENTRIES
+    _refuse_link(entries, f"{name}: {ENTRIES}")
+    _refuse_link(entries / version, f"{name}: its version folder {ENTRIES}/{version}")
+    return entries / version
+
+
+def _version_of(name: str, target: str) -> str:
+    """The version an entry link names: its target must be literally ``.entries/NAME@...``
+    (relative, one level down, this name's), so it cannot lead anywhere else."""
+    folder, _, version = target.partition("/")
+    if folder != ENTRIES or "/" in version or not version.startswith(name + VERSION_SEP):
+        where = f"{ENTRIES}/{name}{VERSION_SEP}*"
+        raise StoreError(f"{name}: entry link points outside {where}: {target!r}; refused")
+    return version
+
+
+# --- paths: nothing out of the store ---------------------------------------------------------
+
+# Why descriptors for writes, lstat for reads: the lock file is created relative to a
+# descriptor of ``.locks``, old versions are removed relative to one of ``.entries`` and modes
+# are added through one of the path itself, each opened with O_NOFOLLOW (openat-style), so a
+# link planted before or swapped in during a write is refused, never followed; new files go
+# into the writer's own fresh version folder (mkdtemp, 0700). Reads check each path with lstat
+# just before opening it (safetensors maps files by path): racing that check takes write
+# access to the store while it loads, and whoever has that can serve any weights anyway.
+
+
+def _refuse_link(path: Path, what: str) -> None:
+    """``path`` must not be a link (a missing one is left to whoever opens it)."""
+    if path.is_symlink():
+        raise StoreError(f"{what} is a symlink; refused")
+
+
+def _open_no_link(path: str | Path, flags: int, what: str, dir_fd: int | None = None) -> int:
+    """``os.open`` refusing a link at ``path`` itself (StoreError), never following it."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        mode = os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        kind = "a symlink" if stat.S_ISLNK(mode) else "not a folder"
+        raise StoreError(f"{what} is {kind}; refused") from exc
+
+
+@contextlib.contextmanager
+def _folder(path: Path, what: str) -> Iterator[int]:
+    """A descriptor of the real folder ``path`` (a link there is refused)."""
+    fd = _open_no_link(path, os.O_RDONLY | os.O_DIRECTORY, what)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 # --- manifest ------------------------------------------------------------------------------
@@ -253,20 +315,37 @@ def _encoder_builder(family: str) -> Callable[[dict[str, Any]], nn.Module] | Non
 def entry_lock(store: Path, name: str) -> Iterator[None]:
     """Hold the per-name write lock (``DIR/.locks/NAME.lock``); a second writer of the name
     waits for the first (and says so once), writers of other names do not."""
-    locks = Path(store) / LOCKS
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{check_name(name)}.lock", "a+") as f:
-        for path, mode in ((locks / f"{name}.lock", READABLE_FILE), (locks, READABLE_DIR)):
-            _add_mode(path, mode)  # the whole store stays readable (scripts/build_image.sh)
+    fd = _open_lock(Path(store), check_name(name))
+    try:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             print(f"store: waiting for another write of {name} to finish", file=sys.stderr)
-            fcntl.flock(f, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _open_lock(store: Path, name: str) -> int:
+    """The name's lock file, opened or created relative to ``.locks``'s descriptor: a link at
+    either is refused, so nothing outside the store is created or chmodded. Both are made
+    readable by all: the whole store stays readable (scripts/build_image.sh)."""
+    store.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        (store / LOCKS).mkdir()  # mkdir never follows a link: one there is refused below
+    with _folder(store / LOCKS, f"{name}: lock folder {LOCKS}") as locks:
+        what = f"{name}: lock file {LOCKS}/{name}.lock"
+        fd = _open_no_link(f"{name}.lock", os.O_RDWR | os.O_CREAT, what, dir_fd=locks)
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StoreError(f"{what} is not a regular file; refused")
+            _add_mode_fd(fd, READABLE_FILE)
+            _add_mode_fd(locks, READABLE_DIR)
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
 
 
 def write_model(
@@ -304,7 +383,9 @@ def write_model(
     with entry_lock(store, name):
         _pause("locked")
         entries = store / ENTRIES
-        entries.mkdir(exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            entries.mkdir()  # never follows a link: one there is refused just below
+        _refuse_link(entries, f"{name}: {ENTRIES}")
         _remove_versions(store, name)  # leftovers of a killed writer: never published
         version = Path(tempfile.mkdtemp(prefix=name + VERSION_SEP, dir=entries))
         try:
@@ -346,7 +427,7 @@ def _seal(version: Path, store: Path) -> None:
     """Make a written version readable by anyone and durable before anything names it."""
     for path in version.iterdir():
         _add_mode(path, READABLE_FILE)
-    for folder in (version, version.parent, store):
+    for folder in (version, version.parent, store.resolve()):  # the root may be a link
         _add_mode(folder, READABLE_DIR)
     _fsync(version)
     _fsync(version.parent)  # the version's own folder entry, before the link names it
@@ -386,17 +467,23 @@ def _exchange(a: Path, b: Path) -> bool:
 def _remove_versions(store: Path, name: str, keep: str = "") -> None:
     """Remove NAME's versions other than ``keep`` and the current one (only a writer holding
     the name's lock calls this, so none of them is being written)."""
-    current = os.readlink(store / name) if (store / name).is_symlink() else ""
-    for path in (store / ENTRIES).glob(f"{name}{VERSION_SEP}*"):
-        if path.name not in (keep, Path(current).name):
-            _remove(path)
+    current = Path(os.readlink(store / name)).name if (store / name).is_symlink() else ""
+    with _folder(store / ENTRIES, f"{name}: {ENTRIES}") as entries:
+        for version in os.listdir(entries):
+            if version.startswith(name + VERSION_SEP) and version not in (keep, current):
+                _remove(version, entries)
 
 
-def _remove(path: Path) -> None:
-    if path.is_symlink() or not path.is_dir():
-        path.unlink(missing_ok=True)
+def _remove(path: str | Path, dir_fd: int | None = None) -> None:
+    """Unlink a file or a link; remove a real folder's tree (rmtree never descends a link)."""
+    try:
+        mode = os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(path, ignore_errors=True, dir_fd=dir_fd)
     else:
-        shutil.rmtree(path, ignore_errors=True)
+        os.unlink(path, dir_fd=dir_fd)
 
 
 def _pause(step: str) -> None:
@@ -421,8 +508,20 @@ def _fsync(path: Path) -> None:
 
 
 def _add_mode(path: Path, bits: int) -> None:
+    """Add permission ``bits`` to ``path`` itself: a link there is refused, never chmodded
+    through."""
+    fd = _open_no_link(path, os.O_RDONLY, str(path))
+    try:
+        _add_mode_fd(fd, bits)
+    finally:
+        os.close(fd)
+
+
+def _add_mode_fd(fd: int, bits: int) -> None:
     """Add permission ``bits`` (never remove any: the owner keeps write access)."""
-    os.chmod(path, os.stat(path).st_mode & 0o7777 | bits)
+    mode = os.fstat(fd).st_mode & 0o7777
+    if mode | bits != mode:  # a file already readable by all may be another user's
+        os.fchmod(fd, mode | bits)
 
 
 def _shapes(state: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
@@ -463,6 +562,7 @@ def read_manifest(store: Path, name: str) -> tuple[Path, Manifest]:
     """An entry's folder and manifest, its integrity hash checked (manifests written before
     the hash existed have none to check)."""
     folder = entry_dir(store, name)
+    _refuse_link(folder / MANIFEST, f"{name}: {MANIFEST}")
     try:
         manifest = Manifest.read(folder)
     except (OSError, ValueError, TypeError, KeyError) as exc:
@@ -482,12 +582,24 @@ def part_path(name: str, folder: Path, manifest: Manifest, part: str, verify: bo
         raise StoreError(
             f"{name} holds no {part} (its parts: {held}); import a checkpoint with one"
         )
-    path = folder / manifest.parts[part]["file"]
+    path = folder / _part_file(name, manifest, part)
+    _refuse_link(path, f"{name}: {path.name}")
     if not path.is_file():
         raise StoreError(f"{name}: {path.name} is missing (run `python -m app bake` or `import`)")
     if verify and sha256_file(path) != manifest.parts[part]["sha256"]:
         raise StoreError(f"{name}: {path.name} does not match the manifest's sha256")
     return path
+
+
+def _part_file(name: str, manifest: Manifest, part: str) -> str:
+    """A part's file name: a plain name inside the entry, a known part's canonical one."""
+    spec = manifest.parts[part]
+    file = spec.get("file") if isinstance(spec, dict) else None
+    if not isinstance(file, str) or file in ("", ".", "..") or os.path.basename(file) != file:
+        raise StoreError(f"{name}: manifest part file {file!r} is outside the entry; refused")
+    if file != PART_FILES.get(part, file):
+        raise StoreError(f"{name}: manifest part file {file!r} is not {PART_FILES[part]}")
+    return file
 
 
 def verify_entry(store: Path, name: str) -> Manifest:

@@ -12,20 +12,21 @@ is decoded.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import io
 import math
-import tempfile
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import ParamSpec, TypeVar
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
 
+from app import media_input
 from app.encoders.base import VAEEncoder
 from app.protocol import BodyReader
 from app.protocol.bodies import (
@@ -45,7 +46,7 @@ from app.request import EncodeRequest, EncodeScaling, LatentFormat
 
 IMAGE_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 MP4_TYPES = {"video/mp4"}
-PIL_FORMATS = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp"}
+PIL_FORMATS = {name: name.lower() for name in media_input.IMAGE_FORMATS}
 ACCEPT_LATENT = {f.value: f for f in LatentFormat}
 BODY_TYPES = "image/png, image/jpeg, image/webp, video/mp4 (video models), tensor/binary"
 BODY_TYPES += f" (with shape and dtype), {SAFETENSORS_TYPE} or {NPY_TYPE}"
@@ -265,16 +266,39 @@ def _check_size(b: int, frames: int, h: int, w: int, geo: EncoderGeometry, limit
         )
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _memory_is_503(read: Callable[P, R]) -> Callable[P, R]:
+    """Running out of memory while reading a body is the server's state, not the request's
+    fault: a 503, which the HTTP layer answers with Retry-After."""
+
+    @functools.wraps(read)
+    def reading(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return read(*args, **kwargs)
+        except MemoryError:
+            raise ProtocolError(
+                503, "the server ran out of memory reading the body", "retry after Retry-After"
+            ) from None
+
+    return reading
+
+
+@_memory_is_503
 def read_image(
     body: bytes, kind: str, multiple: int, geo: EncoderGeometry, limits: Limits
 ) -> Tensor:
     """An image body -> ``[1,3,H,W]`` in [-1, 1], as ``VaeImageProcessor.preprocess`` makes
-    it (RGB; sizes rounded down to ``multiple`` with Lanczos; ``2 * x/255 - 1``). The size
-    is checked from the header, before the pixels are decoded."""
+    it (RGB, 16-bit grey scaled to 8 bits; sizes rounded down to ``multiple`` with Lanczos;
+    ``2 * x/255 - 1``). The size is checked from the header, before the pixels are decoded."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(body), formats=list(PIL_FORMATS))
+    except MemoryError:
+        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ProtocolError(  # Pillow's own bound, past ours: still before any pixel
             413,
@@ -286,7 +310,9 @@ def read_image(
     w, h = image.size
     _check_size(1, 1, h, w, geo, limits)
     try:
-        rgb = image.convert("RGB")
+        rgb = media_input.rgb_image(image)
+    except MemoryError:
+        raise
     except Exception as exc:  # truncated or corrupt data past the header
         raise ProtocolError(400, f"the {kind} image cannot be decoded: {exc}"[:200]) from None
     return _to_pixels([rgb], multiple)
@@ -305,36 +331,25 @@ def _to_pixels(frames: list[Image.Image], multiple: int) -> Tensor:
     return pixels[:, :, 0] if len(frames) == 1 else pixels.contiguous()
 
 
+@_memory_is_503
 def read_mp4(body: bytes, geo: EncoderGeometry, limits: Limits) -> Tensor:
-    """An MP4 body -> ``[1,3,T,H,W]`` in [-1, 1] (frames read with imageio-ffmpeg). The frame
-    size is checked from the stream info before any frame is decoded, and reading stops
-    past ``max_frames``."""
-    import imageio_ffmpeg
-
-    with tempfile.NamedTemporaryFile(suffix=".mp4") as file:
-        file.write(body)
-        file.flush()
-        reader = imageio_ffmpeg.read_frames(file.name, pix_fmt="rgb24")
-        try:
-            try:
-                meta: dict[str, Any] = next(reader)
-            except (RuntimeError, OSError, StopIteration) as exc:
-                raise ProtocolError(400, f"body is not a readable MP4: {exc}"[:200]) from None
-            w, h = meta["size"]
-            _check_size(1, 1, h, w, geo, limits)
-            frames: list[Image.Image] = []
-            for data in reader:
-                if len(frames) >= limits.max_frames:
-                    raise ProtocolError(
-                        413, f"the MP4 has more than {limits.max_frames} frames (the limit)"
-                    )
-                frames.append(Image.frombytes("RGB", (w, h), data))
-        except RuntimeError as exc:
-            raise ProtocolError(400, f"the MP4 cannot be decoded: {exc}"[:200]) from None
-        finally:
-            reader.close()
+    """An MP4 body -> ``[1,3,T,H,W]`` in [-1, 1], read by ``media_input`` (the container
+    forced to MP4, nothing else opened). The frame count and size are probed and checked,
+    the encoder's working memory included, before any frame is decoded; decoding stops
+    at ``max_frames`` whatever the probe counted."""
+    max_frames = limits.max_frames
+    try:
+        with media_input.mp4_file(body) as path:
+            info = media_input.probe_mp4(path, max_frames=max_frames, max_pixels=limits.max_pixels)
+            _check_size(1, info.frames, info.height, info.width, geo, limits)
+            decoded = media_input.mp4_frames(path, info, max_frames=max_frames)
+            frames = [Image.fromarray(frame) for frame in decoded]
+    except media_input.MediaError as exc:
+        message = f"the body is {exc.message}" if exc.status == 400 else exc.message
+        raise ProtocolError(exc.status, message) from None
     if not frames:
         raise ProtocolError(400, "the MP4 holds no frames")
+    w, h = frames[0].size  # a display rotation may have swapped the probed size
     _check_size(1, len(frames), h, w, geo, limits)
     pixels = _to_pixels(frames, geo.spatial_scale)
     return pixels if pixels.ndim == 5 else pixels.unsqueeze(2)

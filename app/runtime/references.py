@@ -71,6 +71,9 @@ def tensors_digest(tensors: dict[str, Tensor]) -> str:
 def read(folder: Path, key: dict[str, Any]) -> tuple[dict[str, Tensor] | None, str]:
     """(tensors, "valid") or (None, why not: "missing", "stale", "tampered")."""
     path = Path(folder) / REFERENCE_FILE
+    if path.is_symlink():  # the store follows no link but its entry's (app/store.py)
+        log.error("gate reference %s is a symlink: not read", path)
+        return None, "tampered"
     if not path.is_file():
         return None, "missing"
     try:

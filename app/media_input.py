@@ -1,0 +1,234 @@
+"""Untrusted images and MP4s -> uint8 RGB pixels: the one reader ``POST /encode`` and
+``python -m app encode`` share.
+
+Images: every Pillow mode becomes the 8-bit RGB it means (``rgb_image``); Pillow's own
+``convert("RGB")`` clips 16-bit grey to white.
+
+MP4s: ffmpeg (the binary imageio-ffmpeg ships) is run with the container forced to MP4 and
+whitelists for formats, protocols and codecs, so a body can never make ffmpeg open another
+file (an ffconcat script, an HLS playlist, a DASH manifest, a ``dref`` atom). The stream is
+probed without decoding (``probe_mp4``: its size, and its frame count from copying its
+packets) so a caller can refuse it before any pixel exists; ``mp4_frames`` then yields the
+decoded frames one at a time, holding each to the probed size and stopping at the frame
+limit, since a container can lie. ffmpeg's messages reach a caller as one fixed sentence and
+at most the last line of its stderr with paths removed.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+from PIL import Image
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what Pillow may open: no other plugin sees a body
+MP4_DEMUXERS = "mov,mp4,m4a,3gp,3g2,mj2"  # ffmpeg's one ISO-BMFF demuxer, all its names
+# the video decoders a diffusion clip comes in; libdav1d is ffmpeg's AV1 decoder of choice
+VIDEO_DECODERS = "h264,hevc,mpeg4,vp8,vp9,av1,libdav1d,mjpeg"
+NOT_AN_MP4 = "not a readable MP4 (H.264/HEVC/VP9/AV1 video in an MP4 container)"
+PROBE_TIMEOUT_S = 60.0  # copying packets is fast: only a hostile index takes this long
+MAX_PROBE_LOG = 1 << 20  # of ffmpeg's stream listing; its metadata comes first and can be huge
+LOG_TAIL = 4096  # of ffmpeg's stderr, where its last line is
+GREY_16_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+VIDEO_STREAM = re.compile(r"^  Stream #0:\d+\S*: Video: .*?[ ,](\d+)x(\d+)[ ,]")
+HEAP_TAG = re.compile(r"\[[^\]]*@ 0x[0-9a-fA-F]+\]\s*")  # "[h264 @ 0x55d...]": an address
+PATH = re.compile(r"(?:file:)?(?<![\w/.])/[^\s'\"]*")
+
+
+class MediaError(ValueError):
+    """A body the reader refuses; ``status`` is the HTTP status the service answers: 400
+    (the message then starts with ``NOT_AN_MP4``) or 413 (past a limit, which it names)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _unreadable(detail: str) -> MediaError:
+    return MediaError(400, f"{NOT_AN_MP4}: {detail}" if detail else NOT_AN_MP4)
+
+
+def rgb_image(image: Image.Image) -> Image.Image:
+    """Any Pillow mode -> 8-bit RGB at the values it means. 16-bit grey (``I;16*``, and
+    ``I`` when it holds 16-bit values) is scaled by 255/65535; every other mode goes through
+    ``convert("RGB")`` as diffusers' ``VaeImageProcessor`` does (alpha dropped, palettes
+    looked up, 1-bit to 0/255). Pillow opens 16-bit RGB(A) PNGs as 8-bit already."""
+    if image.mode in GREY_16_MODES or image.mode == "I":
+        return Image.fromarray(_grey_to_8_bit(np.asarray(image)), "L").convert("RGB")
+    return image.convert("RGB")
+
+
+def _grey_to_8_bit(values: np.ndarray) -> np.ndarray:
+    """16-bit grey -> uint8, rounded (v * 255 / 65535 is v / 257). Mode ``I`` is 32-bit: read
+    as 16-bit when it fits (what PNG's 16-bit grey becomes), else as 0..2**31-1."""
+    grey = values.astype(np.int64)
+    top = 65535 if grey.max(initial=0) <= 65535 else 2**31 - 1
+    grey = np.clip(grey, 0, top)
+    return ((grey * 255 + top // 2) // top).astype(np.uint8)
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """An MP4's first video stream as probed, before any frame is decoded."""
+
+    width: int
+    height: int
+    frames: int  # packets counted; past a given ``max_frames`` only ``max_frames + 1``
+
+
+@contextmanager
+def mp4_file(body: bytes) -> Iterator[Path]:
+    """The body in a private temporary folder (the mov demuxer seeks: a pipe will not do)."""
+    with tempfile.TemporaryDirectory(prefix="encode-") as folder:
+        path = Path(folder) / "body.mp4"
+        path.write_bytes(body)
+        yield path
+
+
+def _ffmpeg_input(path: Path, max_pixels: int | None = None) -> list[str]:
+    """ffmpeg reading ``path`` as an MP4 and nothing else: the demuxer is forced, never
+    guessed from the content (which is how a concat script, playlist or manifest would get
+    in), only ``file:`` may be opened, only video decoders. The mov demuxer's
+    ``enable_drefs`` (tracks whose data lives in another file a ``dref`` atom names) is off
+    by default and is pinned off here, with ``use_absolute_path``."""
+    import imageio_ffmpeg
+
+    args = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-hide_banner"]
+    args += ["-protocol_whitelist", "file", "-format_whitelist", MP4_DEMUXERS]
+    args += ["-codec_whitelist", VIDEO_DECODERS, "-f", "mp4"]
+    args += ["-enable_drefs", "0", "-use_absolute_path", "0"]
+    if max_pixels:  # the decoders' own bound: a stream that lies cannot allocate past it
+        args += ["-max_pixels", str(max_pixels)]
+    return [*args, "-i", f"file:{path.resolve()}", "-map", "0:v:0"]
+
+
+def probe_mp4(
+    path: Path, *, max_frames: int | None = None, max_pixels: int | None = None
+) -> VideoInfo:
+    """The first video stream's size (from ffmpeg's stream listing) and frame count (its
+    packets copied to nowhere, nothing decoded; counting stops past ``max_frames``). A count
+    past ``max_frames`` or a size past ``max_pixels`` is a 413. The listing needs ffmpeg's
+    info log level; none of it reaches a caller but a sanitized last line."""
+    bound = _decoder_bound(max_pixels) if max_pixels else None  # the stream-info pass decodes
+    command = [*_ffmpeg_input(path, bound), "-loglevel", "info", "-nostats"]
+    command += ["-progress", "pipe:1"]
+    if max_frames is not None:
+        command += ["-frames:v", str(max_frames + 1)]
+    # -copyinkf: every packet counts, not only those from the first keyframe on
+    command += ["-copyinkf", "-c", "copy", "-f", "null", "-"]
+    with tempfile.TemporaryFile() as log:
+        try:
+            run = subprocess.run(
+                command, stdout=subprocess.PIPE, stderr=log, timeout=PROBE_TIMEOUT_S
+            )
+        except subprocess.TimeoutExpired:
+            raise _unreadable("probing it timed out") from None
+        if run.returncode != 0:
+            raise _unreadable(_last_line(log, path))
+        log.seek(0)
+        listing = log.read(MAX_PROBE_LOG)
+    size = next(filter(None, map(VIDEO_STREAM.match, _lines(listing))), None)
+    counts = re.findall(rb"^frame=(\d+)$", run.stdout, re.M)
+    if size is None or not counts:
+        raise _unreadable("no video stream size or frame count")
+    info = VideoInfo(int(size[1]), int(size[2]), int(counts[-1]))
+    if max_frames is not None and info.frames > max_frames:
+        raise MediaError(413, f"the MP4 has more than {max_frames} frames (the limit)")
+    if max_pixels is not None and info.width * info.height > max_pixels:
+        raise MediaError(
+            413,
+            f"input {info.width}x{info.height} exceeds the limit of {max_pixels} pixels per frame",
+        )
+    return info
+
+
+def mp4_frames(
+    path: Path, info: VideoInfo, *, max_frames: int | None = None
+) -> Iterator[np.ndarray]:
+    """The first video stream's frames, uint8 ``[H, W, 3]``, decoded one at a time. Each
+    frame comes as a PPM (its own size in its header) and must be the probed size, or its
+    transpose (ffmpeg applies a display rotation), like every frame before it; past
+    ``max_frames`` frames, a 413. ffmpeg's decoders are bounded by the probed size too.
+    Closing the iterator early ends ffmpeg."""
+    bound = _decoder_bound(info.width * info.height)
+    command = [*_ffmpeg_input(path, bound), "-loglevel", "error"]
+    if max_frames is not None:
+        command += ["-frames:v", str(max_frames + 1)]
+    command += ["-c:v", "ppm", "-pix_fmt", "rgb24", "-f", "image2pipe", "pipe:1"]
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log)
+        try:
+            assert proc.stdout is not None
+            yield from _ppm_frames(proc.stdout, info, max_frames)
+            if proc.wait() != 0:
+                raise _unreadable(_last_line(log, path))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+
+def _decoder_bound(pixels: int) -> int:
+    """ffmpeg's ``max_pixels`` for frames of ``pixels``: it checks every picture buffer a
+    decoder allocates, padded frames and mpeg4's scratch rows (twice the width) among them,
+    so it is loose; the exact check is ours, on each frame's header before its bytes."""
+    return 4 * pixels + (1 << 20)
+
+
+def _ppm_frames(stream: IO[bytes], info: VideoInfo, max_frames: int | None) -> Iterator[np.ndarray]:
+    probed = {(info.width, info.height), (info.height, info.width)}
+    first: tuple[int, int] | None = None
+    count = 0
+    while (size := _ppm_header(stream)) is not None:
+        if size not in probed or first not in (None, size):
+            w, h = size
+            raise _unreadable(f"a frame is {w}x{h}, its stream says {info.width}x{info.height}")
+        if max_frames is not None and count >= max_frames:
+            raise MediaError(413, f"the MP4 has more than {max_frames} frames (the limit)")
+        first, count = size, count + 1
+        yield _read_frame(stream, size)
+
+
+def _ppm_header(stream: IO[bytes]) -> tuple[int, int] | None:
+    """``P6\\n<w> <h>\\n255\\n`` as ffmpeg's PPM encoder writes it; None at the end."""
+    magic = stream.readline(4)
+    if not magic:
+        return None
+    dims, depth = stream.readline(24).split(), stream.readline(8)
+    well_formed = magic == b"P6\n" and depth == b"255\n" and len(dims) == 2
+    if not (well_formed and all(map(bytes.isdigit, dims))):
+        raise _unreadable("ffmpeg's frame stream is malformed")
+    return int(dims[0]), int(dims[1])
+
+
+def _read_frame(stream: IO[bytes], size: tuple[int, int]) -> np.ndarray:
+    w, h = size
+    frame = np.empty((h, w, 3), np.uint8)
+    view, done = memoryview(frame).cast("B"), 0
+    while done < len(view):
+        got = stream.readinto(view[done:])
+        if not got:
+            raise _unreadable("a frame is cut short")
+        done += got
+    return frame
+
+
+def _lines(log: bytes) -> list[str]:
+    return log.decode("utf-8", "replace").splitlines()
+
+
+def _last_line(log: IO[bytes], path: Path) -> str:
+    """ffmpeg's last stderr line, without addresses or file names."""
+    log.seek(max(0, log.seek(0, 2) - LOG_TAIL))
+    last = next((line for line in reversed(_lines(log.read())) if line.strip()), "")
+    last = PATH.sub("<file>", HEAP_TAG.sub("", last)).replace(str(path.resolve()), "<file>")
+    return "".join(c for c in last if c.isprintable()).strip()[:160]

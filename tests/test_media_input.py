@@ -1,0 +1,424 @@
+"""Untrusted media bodies (``app/media_input.py``): ``POST /encode`` on a live server and
+``python -m app encode``'s reader never let ffmpeg open a file a body names (ffconcat, DASH,
+HLS), refuse a non-MP4 declared ``video/mp4``, keep ffmpeg's banner and host paths out of
+error bodies, refuse an MP4 past the frame or pixel limit before decoding it, and read every
+PNG mode (16-bit grey included) as the pixels it means.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import subprocess
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+from PIL import Image
+
+from app.decoders import family_module
+from app.decoders.ops import cosine
+from app.encoders import encoder_module
+from app.store import load_encoder, read_manifest, write_model
+from tests.live import live_server
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FLUX_TINY = {
+    "latent_channels": 16,
+    "block_out_channels": [16, 32, 32, 32],
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+}
+MAX_FRAMES = 16
+MAX_PIXELS = 512 * 512
+MP4 = {"Content-Type": "video/mp4"}
+
+
+def _ffmpeg() -> str:
+    import imageio_ffmpeg
+
+    return imageio_ffmpeg.get_ffmpeg_exe()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """flux-enc (an image encoder) and ltx-tiny (a video encoder), seeded."""
+    from app.decoders.ltx.synthetic import SYNTHETIC as LTX_DECODERS
+    from app.encoders.ltx.synthetic import SYNTHETIC as LTX_ENCODERS
+
+    store = tmp_path_factory.mktemp("media-store")
+    for name, family, dec_config, enc_config in (
+        ("flux-enc", "flux", FLUX_TINY, FLUX_TINY),
+        ("ltx-tiny", "ltx", LTX_DECODERS["ltx-tiny"], LTX_ENCODERS["ltx-tiny"]),
+    ):
+        decoder = family_module(family).Decoder(dec_config)
+        family_module(family).init_synthetic(decoder, torch.Generator().manual_seed(0))
+        encoder = encoder_module(family).Encoder(enc_config)
+        encoder_module(family).init_synthetic(encoder, torch.Generator().manual_seed(1))
+        write_model(
+            store,
+            name,
+            family,
+            dec_config,
+            decoder.state_dict(),
+            source="test",
+            dtype="float32",
+            encoder_state=encoder.state_dict(),
+            encoder_config=enc_config,
+        )
+    return store
+
+
+@pytest.fixture(scope="module")
+def url(store):
+    settings = {"max_frames": MAX_FRAMES, "max_pixels": MAX_PIXELS}
+    with live_server(store, dtype="float32", default_model="flux-enc", **settings) as url:
+        yield url
+
+
+def exact_encoder(store: Path, name: str) -> torch.nn.Module:
+    _, manifest = read_manifest(store, name)
+    _, state = load_encoder(store, name)
+    encoder = encoder_module(manifest.family).Encoder(manifest.encoder_config).eval()
+    encoder.load_state_dict(state)
+    return encoder.float()
+
+
+def latent_of(r: requests.Response) -> torch.Tensor:
+    assert r.status_code == 200, r.text
+    data = torch.frombuffer(bytearray(r.content), dtype=torch.float32)
+    return data.reshape(json.loads(r.headers["shape"]))
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def mp4_of(frames: np.ndarray) -> bytes:
+    """uint8 ``[T, H, W, 3]`` -> an H.264 MP4 (imageio-ffmpeg's writer)."""
+    import imageio_ffmpeg
+
+    t, h, w, _ = frames.shape
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/clip.mp4"
+        writer = imageio_ffmpeg.write_frames(path, (w, h), fps=8, macro_block_size=1)
+        writer.send(None)
+        for frame in frames:
+            writer.send(np.ascontiguousarray(frame))
+        writer.close()
+        return Path(path).read_bytes()
+
+
+def pattern_mp4(size: str, frames: int) -> bytes:
+    """ffmpeg's ``testsrc`` as an H.264 MP4: many frames from a few bytes."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = f"{folder}/clip.mp4"
+        command = [_ffmpeg(), "-nostdin", "-hide_banner", "-loglevel", "error", "-f", "lavfi"]
+        command += ["-i", f"testsrc=size={size}:rate=24", "-frames:v", str(frames)]
+        command += ["-pix_fmt", "yuv420p", "-c:v", "libx264", "-preset", "ultrafast", out]
+        subprocess.run(command, check=True, capture_output=True, timeout=120)
+        return Path(out).read_bytes()
+
+
+def imageio_frames(data: bytes) -> np.ndarray:
+    """The MP4's frames as the reader before ``media_input`` decoded them."""
+    import imageio_ffmpeg
+
+    with tempfile.NamedTemporaryFile(suffix=".mp4") as file:
+        file.write(data)
+        file.flush()
+        reader = imageio_ffmpeg.read_frames(file.name, pix_fmt="rgb24")
+        w, h = next(reader)["size"]
+        return np.stack([np.frombuffer(f, np.uint8).reshape(h, w, 3) for f in reader])
+
+
+def as_pixels(frames: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(frames).float().permute(3, 0, 1, 2)[None] / 127.5 - 1
+
+
+@pytest.fixture(scope="module")
+def clip() -> bytes:
+    gen = np.random.default_rng(3)
+    base = gen.integers(0, 255, (1, 64, 96, 3)).astype(np.float32)
+    frames = np.clip(base + gen.normal(0, 8, (9, 64, 96, 3)), 0, 255).astype(np.uint8)
+    return mp4_of(frames)
+
+
+# --- a body that names another file (issue 35 item 1)
+
+
+def hostile_body(kind: str, victim: Path) -> bytes:
+    """A playlist, manifest or concat script naming ``victim``: absolute, or relative to the
+    folder the service writes its body into (the temp folder)."""
+    relative = victim.relative_to(tempfile.gettempdir()) if "rel" in kind else None
+    name = str(relative or victim)
+    if kind.startswith("ffconcat"):
+        return f"ffconcat version 1.0\nfile '{name}'\n".encode()
+    if kind.startswith("dash"):
+        base = name if relative else f"file://{victim}"
+        return (
+            '<?xml version="1.0"?>\n<MPD xmlns="urn:mpeg:dash:schema:mpd:2011" '
+            'profiles="urn:mpeg:dash:profile:isoff-on-demand:2011" type="static" '
+            'mediaPresentationDuration="PT1S" minBufferTime="PT1S"><Period>'
+            '<AdaptationSet mimeType="video/mp4"><Representation id="1" bandwidth="1000" '
+            f'width="96" height="64"><BaseURL>{base}</BaseURL></Representation>'
+            "</AdaptationSet></Period></MPD>\n"
+        ).encode()
+    assert kind.startswith("hls")
+    return f"#EXTM3U\n#EXT-X-TARGETDURATION:2\n#EXTINF:2,\n{name}\n#EXT-X-ENDLIST\n".encode()
+
+
+def assert_clean_refusal(r: requests.Response) -> None:
+    """A JSON 4xx that says nothing of ffmpeg's build or of the host's files."""
+    assert 400 <= r.status_code < 500, f"answered {r.status_code}: another file's latent?"
+    assert r.headers["content-type"].startswith("application/json")
+    text = r.text
+    for leak in ("ffmpeg version", "configuration:", "--enable", tempfile.gettempdir(), "@ 0x"):
+        assert leak not in text, text
+    assert r.json()["error"]
+
+
+@pytest.mark.parametrize("kind", ["ffconcat", "ffconcat-rel", "dash", "dash-rel", "hls", "hls-rel"])
+def test_a_body_naming_another_file_is_refused(url, clip, tmp_path, kind):
+    if "rel" in kind and not tmp_path.is_relative_to(tempfile.gettempdir()):
+        pytest.skip("pytest's base temp folder is outside the one the service writes into")
+    victim = tmp_path / "victim.mp4"
+    victim.write_bytes(clip)
+    body = hostile_body(kind, victim)
+    r = requests.post(f"{url}/encode/ltx-tiny", data=body, headers=MP4, timeout=120)
+    assert_clean_refusal(r)
+    assert r.status_code == 400 and "not a readable MP4" in r.json()["error"]
+
+
+def test_a_png_declared_mp4_is_refused(url):
+    png = png_bytes(Image.new("RGB", (64, 64), "red"))
+    r = requests.post(f"{url}/encode/ltx-tiny", data=png, headers=MP4, timeout=120)
+    assert_clean_refusal(r)
+
+
+def test_a_broken_mp4_error_names_no_path(url, clip):
+    r = requests.post(f"{url}/encode/ltx-tiny", data=clip[: len(clip) // 2], headers=MP4)
+    assert_clean_refusal(r)
+
+
+@torch.inference_mode()
+def test_a_real_mp4_encodes_as_before(url, store, clip):
+    got = latent_of(requests.post(f"{url}/encode/ltx-tiny", data=clip, headers=MP4, timeout=120))
+    want = exact_encoder(store, "ltx-tiny").encode(as_pixels(imageio_frames(clip)))
+    assert got.shape == want.shape and got.shape[2] > 1
+    assert cosine(got, want) >= 0.99999
+
+
+def test_media_input_frames_are_imageios(clip, tmp_path):
+    from app.media_input import VideoInfo, mp4_frames, probe_mp4
+
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(clip)
+    info = probe_mp4(path)
+    assert info == VideoInfo(96, 64, 9)
+    np.testing.assert_array_equal(np.stack(list(mp4_frames(path, info))), imageio_frames(clip))
+
+
+def test_the_cli_reader_refuses_a_concat_script_named_mp4(clip, tmp_path):
+    from app.local_encode import LocalEncodeError, read_video
+
+    (tmp_path / "victim.mp4").write_bytes(clip)
+    script = tmp_path / "innocent.mp4"
+    script.write_text("ffconcat version 1.0\nfile 'victim.mp4'\n")  # concat's "safe" name
+    with pytest.raises(LocalEncodeError, match="not a readable MP4"):
+        read_video(script, 8)
+    assert read_video(tmp_path / "victim.mp4", 8).shape == (1, 3, 9, 64, 96)
+
+
+# --- an MP4's pixels against the limits, before decoding (issue 35 item 5)
+
+
+def zero_media_data(mp4: bytes) -> bytes:
+    """The MP4 with its ``mdat`` payload zeroed: the index (frame count, size) intact, not
+    one frame decodable."""
+    out, at = bytearray(mp4), 0
+    while at + 8 <= len(out):
+        size, kind = struct.unpack(">I4s", out[at : at + 8])
+        assert size >= 8, "a 64-bit or open-ended box: not what libx264's MP4 writes"
+        if kind == b"mdat":
+            out[at + 8 : at + size] = bytes(size - 8)
+        at += size
+    return bytes(out)
+
+
+@pytest.fixture(scope="module")
+def long_clip() -> bytes:
+    return pattern_mp4("512x512", 257)
+
+
+def test_more_frames_than_the_limit_is_refused_before_decoding(url, long_clip):
+    started = time.perf_counter()
+    r = requests.post(f"{url}/encode/ltx-tiny", data=long_clip, headers=MP4, timeout=120)
+    elapsed = time.perf_counter() - started
+    assert r.status_code == 413, r.text
+    assert f"more than {MAX_FRAMES} frames" in r.json()["error"]
+    assert elapsed < 2.0, f"{elapsed:.2f} s: frames were decoded"
+    # no frame of it can be decoded: only the index can have told
+    r = requests.post(f"{url}/encode/ltx-tiny", data=zero_media_data(long_clip), headers=MP4)
+    assert r.status_code == 413, r.text
+
+
+def test_a_frame_past_max_pixels_is_refused(url):
+    r = requests.post(f"{url}/encode/ltx-tiny", data=pattern_mp4("640x480", 2), headers=MP4)
+    assert r.status_code == 413, r.text
+    assert f"exceeds the limit of {MAX_PIXELS} pixels" in r.json()["error"]
+
+
+def test_decoding_stops_at_the_limit_and_holds_each_frame_to_the_probe(clip, tmp_path):
+    from app.media_input import MediaError, VideoInfo, mp4_frames
+
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(clip)
+    frames = mp4_frames(path, VideoInfo(96, 64, 3), max_frames=3)  # a count that lies
+    assert [next(frames).shape for _ in range(3)] == [(64, 96, 3)] * 3
+    with pytest.raises(MediaError, match="more than 3 frames") as info:
+        next(frames)
+    assert info.value.status == 413
+    with pytest.raises(MediaError, match="a frame is 96x64, its stream says 32x32"):
+        next(mp4_frames(path, VideoInfo(32, 32, 9)))
+
+
+@pytest.mark.parametrize("read", ["image", "mp4"])
+def test_running_out_of_memory_is_a_503_with_retry_after(url, clip, monkeypatch, read):
+    from app import media_input
+
+    def exhausted(*args, **kwargs):
+        raise MemoryError
+
+    name = "rgb_image" if read == "image" else "mp4_frames"
+    monkeypatch.setattr(media_input, name, exhausted)
+    if read == "image":
+        png = png_bytes(Image.new("RGB", (64, 64)))
+        r = requests.post(f"{url}/encode/flux-enc", data=png, timeout=60)
+    else:
+        r = requests.post(f"{url}/encode/ltx-tiny", data=clip, headers=MP4, timeout=60)
+    assert r.status_code == 503, r.text
+    assert r.headers["Retry-After"] == "1" and "memory" in r.json()["error"]
+
+
+# --- PNG modes (issue 35 item 10)
+
+
+def png_16_bit(values: np.ndarray, color_type: int) -> bytes:
+    """A 16-bit PNG written by hand (Pillow writes no 16-bit RGB or grey+alpha): ``values``
+    ``[H, W, C]`` uint16; colour type 0 grey, 2 RGB, 4 grey+alpha, 6 RGBA."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    h, w = values.shape[:2]
+    rows = b"".join(b"\0" + row.astype(">u2").tobytes() for row in values)
+    ihdr = struct.pack(">IIBBBBB", w, h, 16, color_type, 0, 0, 0)
+    body = chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + body
+
+
+def reopened(image: Image.Image) -> Image.Image:
+    return Image.open(io.BytesIO(png_bytes(image)))
+
+
+def palette(mode: str) -> Image.Image:
+    image = Image.new(mode, (4, 4))
+    image.putpalette([10, 20, 30] * 256)
+    return image
+
+
+GREY_16 = np.full((4, 4), 32768, np.uint16)
+MODES = {  # mode -> (an image of it, the RGB it means)
+    "L": (reopened(Image.new("L", (4, 4), 100)), (100, 100, 100)),
+    "LA": (reopened(Image.new("LA", (4, 4), (100, 7))), (100, 100, 100)),
+    "P": (reopened(palette("P")), (10, 20, 30)),
+    "PA": (palette("PA"), (10, 20, 30)),  # Pillow writes no PA PNG: the mode as such
+    "RGB": (reopened(Image.new("RGB", (4, 4), (1, 2, 3))), (1, 2, 3)),
+    "RGBA": (reopened(Image.new("RGBA", (4, 4), (1, 2, 3, 0))), (1, 2, 3)),  # alpha dropped
+    "1": (reopened(Image.new("1", (4, 4), 1)), (255, 255, 255)),
+    "I;16": (reopened(Image.fromarray(GREY_16)), (128, 128, 128)),
+    "I;16 white": (reopened(Image.fromarray(GREY_16 * 0 + 65535)), (255, 255, 255)),
+    "I;16 100": (reopened(Image.fromarray(GREY_16 * 0 + 25700)), (100, 100, 100)),
+    "I;16B": (Image.fromarray(GREY_16.astype(">u2")), (128, 128, 128)),
+    "I": (Image.fromarray(GREY_16.astype(np.int32)), (128, 128, 128)),
+    "I 32-bit": (Image.fromarray(np.full((4, 4), 2**31 - 1, np.int32)), (255, 255, 255)),
+    "16-bit grey PNG": (Image.open(io.BytesIO(png_16_bit(GREY_16[..., None], 0))), (128,) * 3),
+    "16-bit RGB PNG": (
+        Image.open(io.BytesIO(png_16_bit(np.full((4, 4, 3), [32768, 25700, 65535]), 2))),
+        (128, 100, 255),
+    ),
+    "16-bit RGBA PNG": (
+        Image.open(io.BytesIO(png_16_bit(np.full((4, 4, 4), [32768, 25700, 0, 0]), 6))),
+        (128, 100, 0),
+    ),
+    "16-bit grey+alpha PNG": (
+        Image.open(io.BytesIO(png_16_bit(np.full((4, 4, 2), [25700, 0]), 4))),
+        (100, 100, 100),
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_png_mode_reads_as_the_rgb_it_means(mode):
+    from app.media_input import rgb_image
+
+    image, rgb = MODES[mode]
+    got = rgb_image(image)
+    assert got.mode == "RGB" and got.size == image.size
+    assert np.array_equal(np.asarray(got), np.full((4, 4, 3), rgb, np.uint8)), np.asarray(got)[0, 0]
+
+
+def test_16_bit_mid_grey_is_zero_in_the_encoders_range():
+    from app.local_encode import preprocess
+
+    x = preprocess(Image.open(io.BytesIO(png_16_bit(np.full((16, 16, 1), 32768), 0))), 8)
+    assert x.shape == (1, 3, 16, 16) and float(x.abs().max()) < 0.01
+
+
+def grey_pair() -> tuple[bytes, bytes]:
+    """A 16-bit grey PNG and the same picture in 8 bits (each 16-bit value v * 257)."""
+    grey = np.random.default_rng(4).integers(0, 256, (48, 40), dtype=np.uint16)
+    grey[:8] = 128  # mid grey: 32768 in 16 bits, 128 in 8
+    wide = grey * 257
+    wide[:8] = 32768
+    return png_bytes(Image.fromarray(wide)), png_bytes(Image.fromarray(grey.astype(np.uint8)))
+
+
+def test_16_bit_grey_png_encodes_as_its_8_bit_twin_over_http(url):
+    wide, narrow = grey_pair()
+    assert Image.open(io.BytesIO(wide)).mode == "I;16"
+    got = latent_of(requests.post(f"{url}/encode/flux-enc", data=wide, timeout=60))
+    want = latent_of(requests.post(f"{url}/encode/flux-enc", data=narrow, timeout=60))
+    assert torch.equal(got, want)
+
+
+def test_16_bit_grey_png_in_the_cli_reader(tmp_path):
+    from app.local_encode import read_image
+
+    wide, narrow = grey_pair()
+    (tmp_path / "wide.png").write_bytes(wide)
+    (tmp_path / "narrow.png").write_bytes(narrow)
+    got, want = read_image(tmp_path / "wide.png", 8), read_image(tmp_path / "narrow.png", 8)
+    assert torch.equal(got, want)
+
+
+def test_ffmpegs_last_line_loses_addresses_and_paths(tmp_path):
+    from app.media_input import _last_line
+
+    body = tmp_path / "body.mp4"
+    log = f"[in#0 @ 0x55d4be23cd00] Opening 'file:{body}'\n[dec:h264 @ 0x55b5f1265280] "
+    log += f"Error reading file:{body} and /etc/passwd: ratio 1/2\n\n"
+    with tempfile.TemporaryFile() as file:
+        file.write(log.encode())
+        assert _last_line(file, body) == "Error reading <file> and <file> ratio 1/2"
