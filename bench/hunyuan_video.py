@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
-from app import video
 from app.decoders import hunyuan_video
+from app.media import mp4
 from app.runtime import modes
 from bench import common
 
@@ -107,7 +107,7 @@ def variants(
 
         def decode(z: torch.Tensor) -> None:
             for piece in model.iter_decode(z.to(device), **options(args)):
-                video.to_uint8(model.to_unit(piece))  # what the MP4 path hands ffmpeg
+                mp4.to_uint8(model.to_unit(piece))  # what the MP4 path hands ffmpeg
             return None
 
         return decode

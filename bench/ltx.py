@@ -40,9 +40,9 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLLTXVideo
 
-from app import video
 from app.decoders import ltx
 from app.decoders.ltx.model import DEFAULTS
+from app.media import mp4
 from app.runtime import modes
 from bench import common
 
@@ -138,7 +138,7 @@ def variants(
 
         def decode(z: torch.Tensor) -> None:
             for piece in model.iter_decode(z.to(device), **opts):
-                video.to_uint8(model.to_unit(piece))  # what the MP4 path hands ffmpeg
+                mp4.to_uint8(model.to_unit(piece))  # what the MP4 path hands ffmpeg
             return None
 
         return decode

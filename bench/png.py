@@ -101,14 +101,14 @@ def _zlib_ng(level: int) -> Callable[[np.ndarray], bytes]:
 
 
 def _service() -> Callable[[np.ndarray], bytes]:
-    from app.png import encode_png
+    from app.media.png import encode_png
 
     return encode_png
 
 
 def _app_backend(name: str) -> Callable[[], Callable[[np.ndarray], bytes]]:
     def load() -> Callable[[np.ndarray], bytes]:
-        from app import png
+        from app.media import png
 
         return png.BACKENDS[name]()
 
@@ -118,7 +118,7 @@ def _app_backend(name: str) -> Callable[[], Callable[[np.ndarray], bytes]]:
 def candidates() -> dict[str, Callable[[], Callable[[np.ndarray], bytes]]]:
     """name -> a loader of its encoder (a loader raises ImportError when its module is missing)."""
     out: dict[str, Callable[[], Callable[[np.ndarray], bytes]]] = {
-        "app.png.encode_png (the service's choice)": _service,
+        "app.media.png.encode_png (the service's choice)": _service,
         "fpng (py-fpng-nb)": _fpng,
         "zlib-ng level 1 (Sub filter, one stream)": lambda: _zlib_ng(1),
         "OpenCV imencode, level 1": lambda: _opencv(1),
@@ -127,10 +127,10 @@ def candidates() -> dict[str, Callable[[], Callable[[np.ndarray], bytes]]]:
         "Pillow, level 6 (its default)": lambda: _pillow(6),
     }
     try:
-        from app import png
+        from app.media import png
 
         for name in png.BACKENDS:
-            out[f"app.png backend {name!r}"] = _app_backend(name)
+            out[f"app.media.png backend {name!r}"] = _app_backend(name)
     except (ImportError, AttributeError):
         pass
     return out

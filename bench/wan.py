@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLWan
 
-from app import video
 from app.decoders import wan
+from app.media import mp4
 from app.runtime import modes
 from bench import common
 
@@ -118,7 +118,7 @@ def variants(
 
         def decode(z: torch.Tensor) -> None:
             for piece in model.iter_decode(z.to(device), chunk_frames=chunk):
-                video.to_uint8(model.to_unit(piece))  # what the MP4 path hands ffmpeg
+                mp4.to_uint8(model.to_unit(piece))  # what the MP4 path hands ffmpeg
             return None
 
         return decode

@@ -50,12 +50,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.decoders import FAMILIES, family_module  # noqa: E402
-from app.metrics import Metrics  # noqa: E402
-from app.request import DecodeRequest  # noqa: E402
+from app.protocol.request import DecodeRequest  # noqa: E402
 from app.runtime import device as devices  # noqa: E402
 from app.runtime import gate, modes  # noqa: E402
 from app.runtime.runner import Runner  # noqa: E402
-from app.timing import PhaseTimer  # noqa: E402
+from app.telemetry.metrics import Metrics  # noqa: E402
+from app.telemetry.timing import PhaseTimer  # noqa: E402
 from bench import common  # noqa: E402
 from bench import flux as flux_bench  # noqa: E402
 from scripts import video_proof  # noqa: E402
@@ -555,9 +555,9 @@ class Proof:
 
     # --- encoder --------------------------------------------------------------------------
     def encoder(self) -> None:
-        from app import video
+        from app.media import mp4
 
-        self.report["h264_encoder"] = video.h264_encoder()
+        self.report["h264_encoder"] = mp4.h264_encoder()
         self.note(f"MP4 encoder in use: {self.report['h264_encoder']}")
 
 

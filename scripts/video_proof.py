@@ -32,13 +32,13 @@ import torch
 from app.decoders import family_module, hunyuan_video, ops, wan
 from app.decoders.ltx import ltx2
 from app.decoders.minimax_h3.model import DEFAULTS as MINIMAX_DEFAULTS
-from app.metrics import Metrics
-from app.request import DecodeRequest
+from app.protocol.request import DecodeRequest
 from app.runtime import device as devices
 from app.runtime import gate, modes
 from app.runtime.runner import PLANNING_SHARE, OutOfMemory, Runner
 from app.store import Manifest
-from app.timing import PhaseTimer, instrument
+from app.telemetry.metrics import Metrics
+from app.telemetry.timing import PhaseTimer, instrument
 from bench.ltx import CONFIG_091
 from bench.meta_memory import live_peak
 

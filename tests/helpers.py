@@ -25,14 +25,14 @@ import numpy as np
 import pytest
 import requests
 import torch
+from app.http import create_app
 from diffusers.video_processor import VideoProcessor
 from fastapi.testclient import TestClient
 from torch import nn
 
-from app import timing
 from app.config import Settings
-from app.service import create_app
-from app.timing import PhaseTimer
+from app.telemetry import timing
+from app.telemetry.timing import PhaseTimer
 from tests import faulty
 from tests.live import live_server
 

@@ -20,7 +20,7 @@ import uvicorn
 
 from app.config import Settings
 from app.decoders import family_module
-from app.service import create_app
+from app.http import create_app
 from app.store import write_model
 
 # the project root, where `python -m app` runs (not from tests.conftest: live.py is also

@@ -179,8 +179,8 @@ def test_the_local_mp4_encoder_runs_with_the_bounded_encoder_threads(tmp_path, m
     (the real ffmpeg runs; its command line is recorded on the way)."""
     import subprocess as real_subprocess
 
-    from app import video
     from app.decoders import minimax_h3
+    from app.media import mp4
 
     store = tmp_path / "store"
     bake(store, "minimax-h3", "video-tiny", minimax_h3.SYNTHETIC["minimax-h3-tiny"])
@@ -192,7 +192,7 @@ def test_the_local_mp4_encoder_runs_with_the_bounded_encoder_threads(tmp_path, m
         commands.append(list(args))
         return popen(args, *rest, **kwargs)
 
-    monkeypatch.setattr(video.subprocess, "Popen", recorded)
+    monkeypatch.setattr(mp4.subprocess, "Popen", recorded)
     monkeypatch.setenv("VAE_ENCODER_THREADS", "3")
     out = tmp_path / "local.mp4"
     args = [tmp_path / "zv.npy", "--model", "video-tiny", "-o", out, "--models-dir", store]

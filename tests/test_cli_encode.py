@@ -157,7 +157,7 @@ def test_flux_options(store, photo_file, flux_encoder, tmp_path):
 def test_mp4_through_a_video_encoder(store, tmp_path):
     import imageio_ffmpeg
 
-    from app.video import encode_mp4  # real ffmpeg
+    from app.media.mp4 import encode_mp4  # real ffmpeg
 
     rng = np.random.default_rng(1)
     frames = [rng.integers(0, 256, (32, 48, 3), dtype=np.uint8) for _ in range(5)]
@@ -205,7 +205,7 @@ def test_errors_are_one_clear_line(case, message, store, photo_file, tmp_path, c
     elif case == "seed":
         extra = ["--seed", "3"]
     else:
-        from app.video import encode_mp4
+        from app.media.mp4 import encode_mp4
 
         src = tmp_path / "clip.mp4"
         src.write_bytes(b"".join(encode_mp4(np.zeros((3, 16, 16, 3), np.uint8), fps=8)))

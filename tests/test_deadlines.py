@@ -11,7 +11,7 @@ import torch
 from app.config import Settings
 from app.http.decode import deadline
 from app.protocol import parse_head
-from app.request import DecodeRequest
+from app.protocol.request import DecodeRequest
 from app.runtime import Job
 from app.runtime.channel import FrameChannel
 from app.runtime.scheduler import DeadlineExceeded, admit

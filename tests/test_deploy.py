@@ -936,7 +936,7 @@ def _check_alert_series(prom: _Prometheus, variant: dict[str, str]) -> None:
 
 @pytest.fixture
 def json_log():
-    from app.logging_json import _HANDLER_FLAG, configure_logging
+    from app.telemetry.logs import _HANDLER_FLAG, configure_logging
 
     root = logging.getLogger()
     level = root.level
@@ -951,7 +951,7 @@ def json_log():
 
 
 def test_request_log_is_one_cloud_logging_json_line(json_log):
-    from app.logging_json import escape_controls, log_request
+    from app.telemetry.logs import escape_controls, log_request
 
     hostile = 'x%s%(message)s{0}"\n\\'
     logged = escape_controls(hostile)  # the newline as a visible \x0a: no forged lines
@@ -987,7 +987,7 @@ def test_request_log_is_one_cloud_logging_json_line(json_log):
 
 
 def test_request_log_severity_trace_and_clipping(json_log):
-    from app.logging_json import MAX_URL, log_request
+    from app.telemetry.logs import MAX_URL, log_request
 
     long_url = "http://svc/" + "a" * 5000
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -1023,7 +1023,7 @@ def test_other_log_records_are_json_too(json_log):
 
 
 def test_log_format_from_env(monkeypatch):
-    from app.logging_json import json_from_env, uvicorn_kwargs
+    from app.telemetry.logs import json_from_env, uvicorn_kwargs
 
     monkeypatch.delenv("VAE_LOG_FORMAT", raising=False)
     monkeypatch.delenv("K_SERVICE", raising=False)

@@ -118,8 +118,8 @@ def test_the_exact_encoder_serves_until_selected_after_ready(tmp_path):
 
 def test_the_runtime_measures_its_encoders_after_ready(tmp_path):
     from app.config import Settings
-    from app.metrics import Metrics
     from app.runtime import Runtime
+    from app.telemetry.metrics import Metrics
 
     settings = Settings(models_dir=_store(tmp_path), models="t", select="after_ready")
     runtime = Runtime(settings, Metrics())
@@ -132,12 +132,12 @@ def test_the_runtime_measures_its_encoders_after_ready(tmp_path):
 
 
 def _request(x):
-    from app.request import EncodeRequest
+    from app.protocol.request import EncodeRequest
 
     return EncodeRequest(pixels=x)
 
 
 def _timer():
-    from app.timing import PhaseTimer
+    from app.telemetry.timing import PhaseTimer
 
     return PhaseTimer()

@@ -13,11 +13,11 @@ import torch
 
 from app.config import Settings
 from app.decoders import family_module
-from app.metrics import Metrics
-from app.request import DecodeRequest, Output
+from app.protocol.request import DecodeRequest, Output
 from app.runtime import Runtime, gate, modes
 from app.store import load_model
-from app.timing import PhaseTimer
+from app.telemetry.metrics import Metrics
+from app.telemetry.timing import PhaseTimer
 from tests.live import live_server
 
 
@@ -159,11 +159,11 @@ def test_auto_orders_bf16_first_only_on_a_cpu_with_native_bf16(
     """Both orders of ``auto``'s candidates on any CPU (read back from the app's own
     ``/models``); the served one is measured, never picked by the flags: no candidate that
     passed the gate decoded the probe clearly faster."""
+    from app.http import create_app
     from fastapi.testclient import TestClient
 
     from app.runtime import selection
     from app.runtime.device import cpu_has_fast_bf16
-    from app.service import create_app
 
     monkeypatch.setenv("VAE_CPU_FAST_BF16", native_bf16)
     assert cpu_has_fast_bf16() is (native_bf16 == "1")

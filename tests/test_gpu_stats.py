@@ -1,4 +1,4 @@
-"""NVML gauges (app/gpu_stats.py): present with a GPU, absent (not zero) without one."""
+"""NVML gauges (app/telemetry/gpu_stats.py): present with a GPU, absent (not zero) without one."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from app.gpu_stats import register_gpu_stats
-from app.metrics import Metrics
+from app.telemetry.gpu_stats import register_gpu_stats
+from app.telemetry.metrics import Metrics
 
 NVML_METRICS = ("vae_device_utilization_ratio", "vae_gpu_memory_bytes")
 

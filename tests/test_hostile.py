@@ -19,7 +19,7 @@ import requests
 import torch
 
 from app.protocol import Limits, ModelGeometry, ProtocolError, parse_params
-from app.request import Output
+from app.protocol.request import Output
 from app.store import StoreError, check_name, write_model
 from tests import faulty
 from tests.helpers import upload_and_read

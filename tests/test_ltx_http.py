@@ -34,7 +34,7 @@ from diffusers.video_processor import VideoProcessor
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import video
+from app.media import mp4
 from tests import helpers
 from tests.helpers import (
     MP4_MIN_PSNR,
@@ -247,7 +247,7 @@ def test_odd_frame_size(world, tmp_path):
     meta, frames = read_mp4(r.content, tmp_path)
     assert frames.shape == (3, 22, 28, 3) and meta["size"] == (28, 22) and meta["fps"] == 25
     expected = diffusers_frames(decoded)
-    padded = np.stack([video.even_frame(f) for f in expected])
+    padded = np.stack([mp4.even_frame(f) for f in expected])
     quality = psnr(frames[:, :21, :27], expected)
     print(f"odd mp4: {quality:.1f} dB vs diffusers' frames, {psnr(frames, padded):.1f} dB padded")
     assert quality >= MP4_MIN_PSNR and psnr(frames, padded) >= MP4_MIN_PSNR

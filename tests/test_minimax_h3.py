@@ -12,13 +12,13 @@ from diffusers import AutoencoderKLMiniMaxH3
 from safetensors.torch import save_file
 from torch import nn
 
-from app import timing
 from app.decoders import minimax_h3 as mm
 from app.decoders.minimax_h3 import fast as mm_fast
 from app.decoders.minimax_h3 import schedule
 from app.decoders.minimax_h3.convert import config_from_diffusers
 from app.runtime import modes
-from app.timing import PhaseTimer
+from app.telemetry import timing
+from app.telemetry.timing import PhaseTimer
 from tests.helpers import check, cosine, latent, seeded
 
 C = 4  # latent channels of the tiny test configs

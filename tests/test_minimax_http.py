@@ -24,11 +24,11 @@ from diffusers.utils.remote_utils import remote_decode
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
-from app import video
 from app.decoders import minimax_h3 as mm
 from app.decoders.base import IMAGENET_MEAN, IMAGENET_STD
 from app.decoders.minimax_h3.convert import config_from_diffusers
 from app.decoders.minimax_h3.schedule import clip_plan, split_tiles
+from app.media import mp4
 from app.store import load_model, write_model
 from tests import helpers
 from tests.helpers import MP4_MIN_PSNR, latent, psnr, read_mp4
@@ -156,7 +156,7 @@ def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
 
 def reencoded(frames: np.ndarray, fps: float, tmp_path: Path) -> np.ndarray:
     """``frames`` through the service's own MP4 encoder here, read back."""
-    return read_mp4(b"".join(video.encode_mp4(iter(frames), fps)), tmp_path, "local.mp4")[1]
+    return read_mp4(b"".join(mp4.encode_mp4(iter(frames), fps)), tmp_path, "local.mp4")[1]
 
 
 def test_served_models(world):

@@ -1,4 +1,4 @@
-"""PNG encoding (app/png.py): exact round trip on every backend, and the fallback to Pillow
+"""PNG encoding (app/media/png.py): exact round trip on every backend, and the fallback to Pillow
 when fpng's wheel is missing."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app import png
+from app.media import png
 
 
 def _image(shape: tuple[int, int]) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Latent-to-RGB previews (app/preview.py): shapes and dtype for every published format, and
+"""Latent-to-RGB previews (app/media/preview.py): shapes and dtype for every published format, and
 a preview that looks like the real decode of a real latent (TAEF2's, of real photos)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from app.preview import FORMATS, preview
-from app.preview_factors import FACTORS
+from app.media.preview import FORMATS, preview
+from app.media.preview_factors import FACTORS
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CHANNELS = {"sd1.5": 4, "sdxl": 4, "sd3": 16, "flux1": 16, "flux2": 32, "ltxv": 128,
@@ -122,7 +122,7 @@ EXPECTED_FORMAT = {  # the default store's synthetic models (their real configs'
 
 def test_each_served_family_maps_to_its_published_format_or_none():
     from app.decoders import FAMILIES, family_module
-    from app.preview import preview_format
+    from app.media.preview import preview_format
 
     seen = {}
     for family in FAMILIES:

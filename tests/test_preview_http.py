@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from app.decoders import minimax_h3, wan
-from app.preview import FORMATS, preview
+from app.media.preview import FORMATS, preview
 from tests.live import TINY_FLUX, bake, live_server
 
 SERVER_MS = 50  # the brief's bound on a preview's server time (Server-Timing total)

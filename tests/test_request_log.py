@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from app.logging_json import redact
+from app.telemetry.logs import redact
 from tests import faulty
 from tests.live import TINY_FLUX, bake
 

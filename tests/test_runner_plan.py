@@ -16,8 +16,8 @@ import torch
 
 from app.decoders.ltx import ltx2
 from app.decoders.minimax_h3.model import DEFAULTS as MINIMAX_DEFAULTS
-from app.metrics import Metrics
 from app.runtime.runner import PLANNING_SHARE, Runner
+from app.telemetry.metrics import Metrics
 from tests.test_memory_estimate import CASES, WAN_21, latent_shape, served_on_meta
 
 L4_BYTES = int(21.5 * 2**30)  # what VAE_DEVICE_MEMORY_GB=21.5 emulates

@@ -17,15 +17,15 @@ import requests
 import torch
 from torch import nn
 
-from app import timing
 from app.config import Settings
-from app.metrics import Metrics
-from app.request import DecodeRequest, Output
+from app.protocol.request import DecodeRequest, Output
 from app.runtime import Job, Runtime
 from app.runtime import runner as runner_module
 from app.runtime.runner import OutOfMemory
 from app.runtime.scheduler import Scheduler
-from app.timing import PhaseTimer
+from app.telemetry import timing
+from app.telemetry.metrics import Metrics
+from app.telemetry.timing import PhaseTimer
 from tests import faulty
 from tests.live import live_server
 from tests.mp4_client import ffmpeg_children

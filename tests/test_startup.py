@@ -17,11 +17,11 @@ from safetensors.torch import load_file, safe_open, save_file
 
 from app.config import Settings
 from app.decoders import FAMILIES, hunyuan_video, tiling
-from app.metrics import Metrics
-from app.request import DecodeRequest, Output
+from app.protocol.request import DecodeRequest, Output
 from app.runtime import Runtime, compiled, gate, references, selection
 from app.store import entry_dir, load_model
-from app.timing import PhaseTimer
+from app.telemetry.metrics import Metrics
+from app.telemetry.timing import PhaseTimer
 from tests.live import TINY_FLUX, bake, live_server, post
 
 REFERENCE = references.REFERENCE_FILE
@@ -158,9 +158,8 @@ def sleepy(tmp_path, monkeypatch):
 
 
 def _served_mode(store, **settings) -> tuple[str, dict]:
+    from app.http import create_app
     from fastapi.testclient import TestClient
-
-    from app.service import create_app
 
     settings = Settings(models_dir=store, models="sleepy", dtype="auto", **settings)
     with TestClient(create_app(settings, load_in_background=False)) as client:

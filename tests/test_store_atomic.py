@@ -1,6 +1,6 @@
 """The store under crashes, races and edited manifests, driven through `python -m app import`.
 
-A writer stops itself at a named step (``VAE_STORE_PAUSE_AT``, app/store.py); the test then
+A writer stops itself at a named step (``VAE_STORE_PAUSE_AT``, app/store/__init__.py); the test then
 kills it (SIGKILL) or lets it go on (SIGCONT) and checks what the store serves: always one
 whole entry, its manifest's source and config matching its weights, every hash verified.
 """

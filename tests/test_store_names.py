@@ -9,9 +9,9 @@ import pytest
 import requests
 
 from app.config import Settings
-from app.metrics import Metrics
 from app.runtime import Runtime
 from app.store import StoreError, check_name, load_model
+from app.telemetry.metrics import Metrics
 from tests import faulty
 from tests.helpers import (
     client,

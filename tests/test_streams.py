@@ -283,10 +283,10 @@ def test_a_stream_closed_midway_never_ends_its_body_cleanly():
     import asyncio
 
     from app.http.mp4 import JobStream
+    from app.http.streams import Mp4Stream, StreamAborted
     from app.runtime.channel import FrameChannel
     from app.runtime.scheduler import Job
-    from app.streams import Mp4Stream, StreamAborted
-    from app.timing import PhaseTimer
+    from app.telemetry.timing import PhaseTimer
 
     channel = FrameChannel(1 << 30, 30.0)
     job = Job(model=None, request=None, timer=PhaseTimer(), channel=channel)

@@ -13,10 +13,10 @@ from diffusers import AutoencoderTiny
 from PIL import Image
 from safetensors.torch import save_file
 
-from app import timing
 from app.decoders import ops, taesd
 from app.runtime import modes
-from app.timing import PhaseTimer
+from app.telemetry import timing
+from app.telemetry.timing import PhaseTimer
 from tests.helpers import cosine, psnr
 from tests.taef2_encoder import load_encoder
 

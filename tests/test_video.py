@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from app import video
 from app.decoders import ltx
+from app.media import mp4
 
 
 def gradient_frames(n: int, h: int, w: int) -> list[np.ndarray]:
@@ -47,7 +47,7 @@ def probe(path: str) -> str:
 
 def test_roundtrip_count_size_fps(tmp_path):
     frames = gradient_frames(17, 48, 64)
-    path = write(tmp_path, video.encode_mp4(iter(frames), fps=25))
+    path = write(tmp_path, mp4.encode_mp4(iter(frames), fps=25))
     meta, got = read_back(path)
     assert len(got) == 17 and meta["size"] == (64, 48) and meta["fps"] == 25
     assert np.abs(got[8].astype(int) - frames[8]).mean() < 3
@@ -57,10 +57,10 @@ def test_roundtrip_count_size_fps(tmp_path):
 
 def test_odd_size_is_padded_with_edge_pixels(tmp_path):
     frames = gradient_frames(3, 47, 33)
-    meta, got = read_back(write(tmp_path, video.encode_mp4(frames, fps=24)))
+    meta, got = read_back(write(tmp_path, mp4.encode_mp4(frames, fps=24)))
     assert meta["size"] == (34, 48) and len(got) == 3
     assert np.abs(got[1][:47, :33].astype(int) - frames[1]).mean() < 3
-    padded = video.even_frame(frames[1])
+    padded = mp4.even_frame(frames[1])
     assert (padded[-1] == padded[-2]).all() and (padded[:, -1] == padded[:, -2]).all()
 
 
@@ -73,7 +73,7 @@ def test_streams_while_frames_arrive():
             pulled += 1
             yield frame
 
-    encoder = video.encode_mp4(source(), fps=10)  # a keyframe (fragment) every 20 frames
+    encoder = mp4.encode_mp4(source(), fps=10)  # a keyframe (fragment) every 20 frames
     first = next(encoder)
     assert first[4:8] == b"ftyp" and pulled < 60  # the header left before the last frame
     rest = b"".join(encoder)
@@ -82,21 +82,21 @@ def test_streams_while_frames_arrive():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="no frames"):
-        list(video.encode_mp4(iter([]), fps=24))
+        list(mp4.encode_mp4(iter([]), fps=24))
     with pytest.raises(ValueError, match="uint8"):
-        list(video.encode_mp4([np.zeros((8, 8, 3), np.float32)], fps=24))
+        list(mp4.encode_mp4([np.zeros((8, 8, 3), np.float32)], fps=24))
     with pytest.raises(ValueError, match="size changed"):
-        list(video.encode_mp4([np.zeros((8, 8, 3), np.uint8), np.zeros((8, 10, 3), np.uint8)]))
+        list(mp4.encode_mp4([np.zeros((8, 8, 3), np.uint8), np.zeros((8, 10, 3), np.uint8)]))
 
 
 def test_chunk_to_uint8():
     chunk = (
         torch.tensor([0.0, 0.5, 1.0, 1.5, -0.2, 0.002]).view(1, 1, 1, 1, 6).expand(2, 3, 2, 1, 6)
     )
-    frames = video.to_uint8(chunk)
+    frames = mp4.to_uint8(chunk)
     assert frames.shape == (2, 2, 1, 6, 3) and frames.dtype == np.uint8
     assert frames[0, 0, 0, :, 0].tolist() == [0, 128, 255, 255, 0, 1]
-    assert len(list(video.iter_frames([chunk, chunk], batch_index=1))) == 4
+    assert len(list(mp4.iter_frames([chunk, chunk], batch_index=1))) == 4
 
 
 def test_ltx_decode_to_mp4(tmp_path):
@@ -105,9 +105,9 @@ def test_ltx_decode_to_mp4(tmp_path):
     ltx.init_synthetic(decoder, torch.Generator().manual_seed(0))
     z = torch.randn((1, 128, 3, 2, 3), generator=torch.Generator().manual_seed(1))
     chunks = (decoder.to_unit(c) for c in decoder.iter_decode(z, chunk_frames=1))
-    path = write(tmp_path, video.encode_mp4(video.iter_frames(chunks), fps=25))
+    path = write(tmp_path, mp4.encode_mp4(mp4.iter_frames(chunks), fps=25))
     meta, got = read_back(path)
-    expected = video.to_uint8(decoder.to_unit(decoder.decode(z)))[0]
+    expected = mp4.to_uint8(decoder.to_unit(decoder.decode(z)))[0]
     assert len(got) == decoder.frames_out(3) == 17
     assert meta["size"] == (96, 64) and meta["fps"] == 25
     # synthetic weights give per-pixel colour noise, which yuv420p's 2x2 chroma cannot hold:
@@ -138,7 +138,7 @@ def encoder_threads(threads: int | None) -> tuple[int, list[str]]:
                 seen.append(int(status.split("Threads:")[1].split()[0]))
             yield frame
 
-    for _ in video.encode_mp4(frames(), 24, threads=threads, started=procs.append):
+    for _ in mp4.encode_mp4(frames(), 24, threads=threads, started=procs.append):
         pass
     return max(seen), procs[0].args
 
@@ -156,11 +156,11 @@ def test_reap_ends_an_encoder_blocked_in_another_thread():
     """The generator is suspended (its reader went away): reap kills and collects ffmpeg at
     once from here, and closing the generator afterwards still frees its pipes."""
     procs = []
-    encoder = video.encode_mp4(noise_frames(200, 128), 24, started=procs.append)
+    encoder = mp4.encode_mp4(noise_frames(200, 128), 24, started=procs.append)
     next(encoder)
     proc = procs[0]
     assert proc.poll() is None
-    video.reap(proc)
+    mp4.reap(proc)
     assert proc.returncode is not None  # collected: no zombie left
     encoder.close()
     assert proc.stdin.closed and proc.stdout.closed

@@ -127,7 +127,7 @@ class VAEDecoder(nn.Module, ABC):
 
     def stages(self) -> list[tuple[str, nn.Module]]:
         """The named stage modules (``conv_in``, ``mid``, ``up_0``...) whose calls are timed;
-        ``app.timing.instrument`` hooks them, so model code carries no timer. A stage made of
+        ``app.telemetry.timing.instrument`` hooks them, so model code carries no timer. A stage made of
         several consecutive modules lists each under its name (their times add up). The names
         are a metrics contract."""
         return []

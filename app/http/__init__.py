@@ -15,15 +15,15 @@ from contextlib import asynccontextmanager
 import torch
 from fastapi import FastAPI
 
-from app.auth import BearerAuth
 from app.config import Settings
-from app.drain import Drain, route_sigterm
+from app.http.auth import BearerAuth
+from app.http.drain import Drain, route_sigterm
 from app.http.envelope import Envelope
 from app.http.errors import install_error_handlers
 from app.http.routes import install_routes
 from app.http.serving import Serving
-from app.metrics import Metrics
 from app.runtime import Runtime
+from app.telemetry.metrics import Metrics
 
 __all__ = ["create_app"]
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from fastapi import Request, Response
 
 from app.http.serving import Serving
-from app.logging_json import log_request
-from app.metrics import code_class
-from app.timing import PhaseTimer
+from app.telemetry.logs import log_request
+from app.telemetry.metrics import code_class
+from app.telemetry.timing import PhaseTimer
 
 
 def finisher(

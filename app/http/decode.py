@@ -25,16 +25,16 @@ from app.http.preview import format_of, preview_response
 from app.http.responses import encoded, output_label
 from app.http.serving import Serving
 from app.protocol import Head, ProtocolError, parse_head, validate
-from app.request import Output
+from app.protocol.request import Output
 from app.runtime import Job, ServedModel
 from app.runtime.channel import FrameChannel
 from app.runtime.scheduler import DeviceLost, QueueFull, Stopped
 from app.store import NAME_RE
-from app.timing import PhaseTimer
+from app.telemetry.timing import PhaseTimer
 
 log = logging.getLogger("app.service")
 # refusals that can leave part of the body unread: the connection closes after them (the
-# server's protocol reads and drops the rest for a while first, app/http_timeouts.py)
+# server's protocol reads and drops the rest for a while first, app/http/timeouts.py)
 BODY_LEFT_UNREAD = frozenset({408, 413})
 
 

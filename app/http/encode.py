@@ -16,16 +16,16 @@ import numpy as np
 import torch
 from fastapi import Request, Response
 
-from app import media
 from app.http.decode import _outcome, deadline, handled, read_body, resolve_model
 from app.http.errors import runtime_error
 from app.http.serving import Serving
+from app.media import write
 from app.protocol import ProtocolError
 from app.protocol.encode import EncoderGeometry, parse_encode_head, validate_encode
-from app.request import EncodeRequest, LatentFormat
+from app.protocol.request import EncodeRequest, LatentFormat
 from app.runtime import EncodeJob, Runtime, ServedEncoder
 from app.runtime.scheduler import DeviceLost, QueueFull, Stopped
-from app.timing import PhaseTimer
+from app.telemetry.timing import PhaseTimer
 
 log = logging.getLogger("app.service")
 OUTPUT_LABEL = "latent"  # the output label of an encode's metrics (kind "tensor")
@@ -92,7 +92,7 @@ def served_encoder(runtime: Runtime, name: str) -> ServedEncoder:
 def latent_response(latent: torch.Tensor, request: EncodeRequest, timer: PhaseTimer) -> Response:
     """The latent in the format asked for; every format carries the shape/dtype headers."""
     with timer.phase("encode"):
-        data, headers = media.tensor_bytes(latent)
+        data, headers = write.tensor_bytes(latent)
         if request.latent_format is LatentFormat.SAFETENSORS:
             from safetensors.torch import save
 

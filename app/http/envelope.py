@@ -12,8 +12,8 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.errors import error_response
-from app.logging_json import log_request
-from app.streams import StreamAborted
+from app.http.streams import StreamAborted
+from app.telemetry.logs import log_request
 
 log = logging.getLogger("app.service")
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: "$" lets a "\n" through

@@ -1,5 +1,5 @@
 """The MP4 response: frames stream into ffmpeg as the worker decodes them, bytes out as
-ffmpeg writes them. The stream's resources and the stall rule live in ``app.streams``."""
+ffmpeg writes them. The stream's resources and the stall rule live in ``app.http.streams``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
-from app.runtime import Job
-from app.streams import (
+from app.http.streams import (
     Mp4Stream,
     ReaderProgress,
     StreamAborted,
@@ -19,6 +18,7 @@ from app.streams import (
     quiet_aborts,
     send_or_stall,
 )
+from app.runtime import Job
 
 __all__ = ["JobStream", "StreamAborted", "_mp4_response"]
 

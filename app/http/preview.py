@@ -1,4 +1,4 @@
-"""``output_type=preview``: the latent-to-RGB map (app/preview.py) answered by the handler
+"""``output_type=preview``: the latent-to-RGB map (app/media/preview.py) answered by the handler
 itself, in a thread off the event loop: no queue, no decode worker, no decoder."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import asyncio
 import torch
 from fastapi.responses import Response
 
-from app import media
-from app.preview import FORMATS, preview, preview_format
-from app.preview_factors import FACTORS
+from app.media import write
+from app.media.preview import FORMATS, preview, preview_format
+from app.media.preview_factors import FACTORS
 from app.protocol import IMAGE_MIME, ProtocolError
-from app.request import DecodeRequest
+from app.protocol.request import DecodeRequest
 from app.runtime import ServedModel
-from app.timing import PhaseTimer
+from app.telemetry.timing import PhaseTimer
 
 
 def format_of(model: ServedModel) -> str:
@@ -42,5 +42,5 @@ async def preview_response(key: str, request: DecodeRequest, timer: PhaseTimer) 
 def _encoded(key: str, request: DecodeRequest, timer: PhaseTimer) -> Response:
     with timer.phase("preview"):
         pixels = preview(key, request.latent, frame=request.frame)[0]
-        data = media.encode_image(torch.from_numpy(pixels), request.image_format, request.quality)
+        data = write.encode_image(torch.from_numpy(pixels), request.image_format, request.quality)
     return Response(data, media_type=IMAGE_MIME[request.image_format])

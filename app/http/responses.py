@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from fastapi.responses import Response
 
-from app import media
+from app.media import write
 from app.protocol import IMAGE_MIME
-from app.request import DecodeRequest, Output
-from app.timing import PhaseTimer
+from app.protocol.request import DecodeRequest, Output
+from app.telemetry.timing import PhaseTimer
 
 
 def encoded(decoded: torch.Tensor, request: DecodeRequest, timer: PhaseTimer) -> Response:
@@ -16,9 +16,9 @@ def encoded(decoded: torch.Tensor, request: DecodeRequest, timer: PhaseTimer) ->
     already refused a non-finite decode)."""
     with timer.phase("encode"):
         if request.output is Output.IMAGE:
-            data = media.encode_image(decoded[0], request.image_format, request.quality)
+            data = write.encode_image(decoded[0], request.image_format, request.quality)
             return Response(data, media_type=IMAGE_MIME[request.image_format])
-        data, headers = media.tensor_bytes(decoded)
+        data, headers = write.tensor_bytes(decoded)
         return Response(data, media_type="tensor/binary", headers=headers)
 
 

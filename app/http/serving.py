@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from app.config import Settings
-from app.drain import Drain
-from app.metrics import Metrics
+from app.http.drain import Drain
 from app.runtime import Runtime
+from app.telemetry.metrics import Metrics
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from app.protocol.params import (
     parse_params,
     parse_timeout,
 )
+from app.protocol.request import DecodeRequest, Output, Scaling
 from app.protocol.shapes import (
     Limits,
     ModelGeometry,
@@ -40,7 +41,6 @@ from app.protocol.shapes import (
     layout_shape,
     to_layout,
 )
-from app.request import DecodeRequest, Output, Scaling
 
 __all__ = [
     "DECODE_PARAMS",

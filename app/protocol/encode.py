@@ -26,8 +26,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from app import media_input
 from app.encoders.base import VAEEncoder
+from app.media import read as media_read
 from app.protocol import BodyReader
 from app.protocol.bodies import (
     NPY_TYPE,
@@ -41,12 +41,12 @@ from app.protocol.errors import ProtocolError, echo
 from app.protocol.output import parse_accept
 from app.protocol.params import ENCODE_PARAMS, WIRE_DTYPES, DecodeParams, _bool, parse_params
 from app.protocol.params import parse_timeout as _parse_timeout
+from app.protocol.request import EncodeRequest, EncodeScaling, LatentFormat
 from app.protocol.shapes import Limits
-from app.request import EncodeRequest, EncodeScaling, LatentFormat
 
 IMAGE_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 MP4_TYPES = {"video/mp4"}
-PIL_FORMATS = {name: name.lower() for name in media_input.IMAGE_FORMATS}
+PIL_FORMATS = {name: name.lower() for name in media_read.IMAGE_FORMATS}
 ACCEPT_LATENT = {f.value: f for f in LatentFormat}
 BODY_TYPES = "image/png, image/jpeg, image/webp, video/mp4 (video models), tensor/binary"
 BODY_TYPES += f" (with shape and dtype), {SAFETENSORS_TYPE} or {NPY_TYPE}"
@@ -310,7 +310,7 @@ def read_image(
     w, h = image.size
     _check_size(1, 1, h, w, geo, limits)
     try:
-        rgb = media_input.rgb_image(image)
+        rgb = media_read.rgb_image(image)
     except MemoryError:
         raise
     except Exception as exc:  # truncated or corrupt data past the header
@@ -333,18 +333,18 @@ def _to_pixels(frames: list[Image.Image], multiple: int) -> Tensor:
 
 @_memory_is_503
 def read_mp4(body: bytes, geo: EncoderGeometry, limits: Limits) -> Tensor:
-    """An MP4 body -> ``[1,3,T,H,W]`` in [-1, 1], read by ``media_input`` (the container
+    """An MP4 body -> ``[1,3,T,H,W]`` in [-1, 1], read by ``app.media.read`` (the container
     forced to MP4, nothing else opened). The frame count and size are probed and checked,
     the encoder's working memory included, before any frame is decoded; decoding stops
     at ``max_frames`` whatever the probe counted."""
     max_frames = limits.max_frames
     try:
-        with media_input.mp4_file(body) as path:
-            info = media_input.probe_mp4(path, max_frames=max_frames, max_pixels=limits.max_pixels)
+        with media_read.mp4_file(body) as path:
+            info = media_read.probe_mp4(path, max_frames=max_frames, max_pixels=limits.max_pixels)
             _check_size(1, info.frames, info.height, info.width, geo, limits)
-            decoded = media_input.mp4_frames(path, info, max_frames=max_frames)
+            decoded = media_read.mp4_frames(path, info, max_frames=max_frames)
             frames = [Image.fromarray(frame) for frame in decoded]
-    except media_input.MediaError as exc:
+    except media_read.MediaError as exc:
         message = f"the body is {exc.message}" if exc.status == 400 else exc.message
         raise ProtocolError(exc.status, message) from None
     if not frames:

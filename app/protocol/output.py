@@ -5,7 +5,7 @@ from __future__ import annotations
 from app.protocol.bodies import media_type
 from app.protocol.errors import ProtocolError
 from app.protocol.params import DecodeParams
-from app.request import Output
+from app.protocol.request import Output
 
 IMAGE_MIME = {"png": "image/png", "jpg": "image/jpeg", "webp": "image/webp"}
 ACCEPT_IMAGE = {"image/png": "png", "image/jpeg": "jpg", "image/jpg": "jpg", "image/webp": "webp"}

@@ -17,7 +17,7 @@ from torch import Tensor
 from app.protocol.bodies import RAW_TYPES, media_type
 from app.protocol.errors import ProtocolError
 from app.protocol.params import WIRE_DTYPES, DecodeParams
-from app.request import Output
+from app.protocol.request import Output
 
 if TYPE_CHECKING:
     from app.decoders.base import VAEDecoder

@@ -13,15 +13,15 @@ from pathlib import Path
 import torch
 
 from app.config import Settings
-from app.metrics import Metrics
-from app.request import DecodeRequest
+from app.protocol.request import DecodeRequest
 from app.runtime import compiled
 from app.runtime.encoders import EncodeJob, Policy, ServedEncoder, load_encoders
 from app.runtime.encoders import select as select_encoder
 from app.runtime.registry import Registry, ServedModel
 from app.runtime.runner import Runner
 from app.runtime.scheduler import Job, Scheduler
-from app.timing import PhaseTimer
+from app.telemetry.metrics import Metrics
+from app.telemetry.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime")
 

@@ -24,11 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app import timing
 from app.decoders.ops import cosine
 from app.encoders import encoder_module
 from app.encoders.base import VAEEncoder
-from app.request import EncodeRequest, EncodeScaling
+from app.protocol.request import EncodeRequest, EncodeScaling
 from app.runtime import device as devices
 from app.runtime import modes, selection
 from app.runtime.gate import PROBE_SEED
@@ -36,7 +35,8 @@ from app.runtime.modes import Mode
 from app.runtime.runner import NonFiniteOutput
 from app.runtime.scheduler import Call
 from app.store import load_encoder
-from app.timing import PhaseTimer
+from app.telemetry import timing
+from app.telemetry.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime.encoders")
 STAGE_PREFIX = "encoder."  # the encoder's phases: encoder.conv_in, ..., encoder.normalize

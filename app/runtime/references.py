@@ -71,7 +71,7 @@ def tensors_digest(tensors: dict[str, Tensor]) -> str:
 def read(folder: Path, key: dict[str, Any]) -> tuple[dict[str, Tensor] | None, str]:
     """(tensors, "valid") or (None, why not: "missing", "stale", "tampered")."""
     path = Path(folder) / REFERENCE_FILE
-    if path.is_symlink():  # the store follows no link but its entry's (app/store.py)
+    if path.is_symlink():  # the store follows no link but its entry's (app/store/__init__.py)
         log.error("gate reference %s is a symlink: not read", path)
         return None, "tampered"
     if not path.is_file():
@@ -98,7 +98,7 @@ def write(folder: Path, key: dict[str, Any], tensors: dict[str, Tensor]) -> None
     tmp = folder / f".{REFERENCE_FILE}.{os.getpid()}.tmp"
     try:
         save_file(tensors, str(tmp), metadata=meta)
-        os.chmod(tmp, 0o444)  # served by another user than the baker's (app/store.py)
+        os.chmod(tmp, 0o444)  # served by another user than the baker's (app/store/__init__.py)
         os.replace(tmp, folder / REFERENCE_FILE)
     finally:
         tmp.unlink(missing_ok=True)

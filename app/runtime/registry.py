@@ -18,10 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app import timing
 from app.config import Settings
 from app.decoders.base import VAEDecoder
-from app.metrics import Metrics
 from app.protocol import Limits, ModelGeometry
 from app.runtime import device as devices
 from app.runtime import gate, modes, references, selection
@@ -36,6 +34,8 @@ from app.store import (
     public_source,
     sha256_file,
 )
+from app.telemetry import timing
+from app.telemetry.metrics import Metrics
 
 log = logging.getLogger("app.runtime.registry")
 

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app import timing
 from app.decoders.base import VAEDecoder
-from app.metrics import Metrics
-from app.request import DecodeRequest, Scaling
+from app.protocol.request import DecodeRequest, Scaling
 from app.runtime import device as devices
 from app.runtime.registry import ServedModel
-from app.timing import PhaseTimer
+from app.telemetry import timing
+from app.telemetry.metrics import Metrics
+from app.telemetry.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime.runner")
 PLANNING_SHARE = 0.8  # of the free device memory (measured: docs/BENCHMARKS.md, L4 emulation)

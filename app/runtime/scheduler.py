@@ -30,14 +30,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app.metrics import Metrics
 from app.protocol import Limits
-from app.request import DecodeRequest
+from app.protocol.request import DecodeRequest
 from app.runtime import device as devices
 from app.runtime.channel import FrameChannel
 from app.runtime.registry import ServedModel
 from app.runtime.runner import Runner
-from app.timing import PhaseTimer
+from app.telemetry.metrics import Metrics
+from app.telemetry.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime.scheduler")
 

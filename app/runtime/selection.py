@@ -20,11 +20,11 @@ from typing import Any, Protocol, TypeVar
 import torch
 from torch import Tensor
 
-from app import timing
 from app.decoders.base import VAEDecoder
 from app.runtime import device as devices
 from app.runtime import gate, modes
 from app.runtime.modes import Mode
+from app.telemetry import timing
 
 log = logging.getLogger("app.runtime.selection")
 

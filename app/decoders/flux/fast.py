@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 from torch import Tensor, nn
 
-from app import timing
 from app.decoders import ops, winograd
+from app.telemetry import timing
 
 if TYPE_CHECKING:
     from app.decoders.flux.model import Architecture, MidBlock, ResnetBlock, UpBlock

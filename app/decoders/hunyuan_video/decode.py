@@ -16,7 +16,7 @@ from app.decoders.base import VAEDecoder, decode_chunks
 from app.decoders.hunyuan_video import fast, tiling
 from app.decoders.hunyuan_video.model import Architecture
 from app.decoders.tiling import DEFAULT_TILE_SAMPLE_SIZE, Grid, blend_edge
-from app.timing import phase
+from app.telemetry.timing import phase
 
 # Working memory of one window pass per pixel of its output frames, in values of the compute
 # dtype per channel of the full-resolution stage (measured on the meta device with

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from app import timing
 from app.decoders.base import VAEDecoder
 from app.decoders.ltx import ltx2, streaming
 from app.decoders.ltx.model import DEFAULT_FPS, Architecture
+from app.telemetry import timing
 
 DEFAULT_CHUNK_FRAMES = 2  # latent frames per streamed chunk
 # Latent frames per chunk by device type (issue 23.7): 2 keeps a CPU chunk in cache; a GPU

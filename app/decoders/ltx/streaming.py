@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app import timing
 from app.decoders.ltx.model import Architecture, Conditioning, Stream
+from app.telemetry import timing
 
 Stage = Callable[[Tensor, "Stream"], Tensor]
 Tile = tuple[int, int, int, int]  # (y0, x0, h, w) in latent cells

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from app import timing
 from app.decoders.base import VAEDecoder
 from app.decoders.minimax_h3 import fast
 from app.decoders.minimax_h3.model import FP32_SUFFIXES, Architecture
@@ -27,6 +26,7 @@ from app.decoders.minimax_h3.schedule import (
     split_tiles,
     stitch_tiles,
 )
+from app.telemetry import timing
 
 DEFAULT_BATCH_TOKENS = 16384  # tokens per block-stack call when tiles are batched
 # Tokens per call by device type (issue 23.7): a GPU keeps 16,384 until the GPU proof's

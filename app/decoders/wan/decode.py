@@ -23,7 +23,7 @@ from app.decoders.base import VAEDecoder, decode_chunks
 from app.decoders.tiling import DEFAULT_TILE_SAMPLE_SIZE, Grid, sample_grid
 from app.decoders.wan import fast
 from app.decoders.wan.model import Architecture, FrameCache, unpatchify
-from app.timing import phase
+from app.telemetry.timing import phase
 
 DEFAULT_CHUNK_FRAMES = 2  # latent frames per streamed chunk
 # Latent frames per chunk by device type (issue 23.7): a GPU keeps 2 until the GPU proof's

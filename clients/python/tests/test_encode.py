@@ -91,7 +91,7 @@ def test_encoded_images_go_as_they_are(fmt, content_type, tmp_path):
 
 
 def test_mp4_is_recognised():
-    from app.video import encode_mp4  # the service's real ffmpeg writer
+    from app.media.mp4 import encode_mp4  # the service's real ffmpeg writer
 
     data = b"".join(encode_mp4(np.zeros((3, 16, 16, 3), np.uint8), fps=8))
     assert sniff_media(data) == "video/mp4"

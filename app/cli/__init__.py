@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
 
     _add_encode(sub)
     args = parser.parse_args(argv)
-    from app.logging_json import configure_logging
+    from app.telemetry.logs import configure_logging
 
     configure_logging()
     sys.exit(args.run(args) or 0)
@@ -107,10 +107,10 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.config import Settings
-    from app.http_timeouts import header_timeout_protocol
-    from app.logging_json import uvicorn_kwargs
+    from app.http import create_app
+    from app.http.timeouts import header_timeout_protocol
     from app.runtime.device import log_runtime
-    from app.service import create_app
+    from app.telemetry.logs import uvicorn_kwargs
 
     settings = Settings(models_dir=Path(args.models_dir))
     log_runtime(settings.device)
@@ -244,12 +244,12 @@ def _convert_encoder(family: str, source: Path) -> tuple[dict | None, dict | Non
 
 
 def _decode(args: argparse.Namespace) -> int:
-    from app.cli_decode import run
+    from app.cli.decode import run
 
     return run(args)
 
 
 def _encode(args: argparse.Namespace) -> int:
-    from app.cli_encode import run
+    from app.cli.encode import run
 
     return run(args)

@@ -1,7 +1,7 @@
 """The decode request: one typed value from the wire to the runner.
 
 ``app.protocol`` builds it (every check applied); the HTTP service, ``python -m app decode``
-(``app.local``) and the runtime use it unchanged. ``Output`` is the one output vocabulary:
+(``app.cli.local_decode``) and the runtime use it unchanged. ``Output`` is the one output vocabulary:
 the wire's ``output_type``/``image_format``/``partial_postprocess``/``Accept`` choose one,
 the runner reads what to hand back from it, the encoders what to write. A preview never
 reaches the runner: the HTTP handler answers it (app/http/preview.py).
@@ -30,7 +30,7 @@ class Output(enum.Enum):
     UNIT_TENSOR = "unit_tensor"  # RGB in [0, 1], frames [N,3,H,W] (remote_decode's processor)
     UINT8 = "uint8"  # uint8 frames [N,H,W,3] (partial_postprocess)
     MP4 = "mp4"  # uint8 frames streamed into an H.264 MP4
-    PREVIEW = "preview"  # one image from the latent-to-RGB map (app/preview.py), no decoder
+    PREVIEW = "preview"  # one image from the latent-to-RGB map (app/media/preview.py), no decoder
 
     @property
     def frames(self) -> bool:

@@ -3,7 +3,7 @@ encode`` without ``--url``): the entry's encoder, exact float32 on the CPU.
 
 ``encode_file`` is the one entry point. Images are preprocessed as diffusers'
 ``VaeImageProcessor`` does (RGB, Lanczos-resized down to a multiple of the encoder's spatial
-scale when they are not one, then to [-1, 1]); MP4 frames are read by ``app.media_input``
+scale when they are not one, then to [-1, 1]); MP4 frames are read by ``app.media.read``
 (the service's reader: ffmpeg with the container forced) and each treated the same way.
 Module level imports no torch, so the command line fails fast on bad arguments.
 """
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.local import LocalDecodeError, _atomic, check_model
+from app.cli.local_decode import LocalDecodeError, _atomic, check_model
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4",)
@@ -56,7 +56,7 @@ def encode_file(
     except LocalDecodeError as exc:
         raise LocalEncodeError(str(exc)) from None
     t0 = time.perf_counter()
-    from app.timing import PhaseTimer
+    from app.telemetry.timing import PhaseTimer
 
     timer = PhaseTimer()
     timer.add("import", time.perf_counter() - t0)
@@ -106,13 +106,13 @@ def load_local_encoder(store: Path, name: str) -> Any:
 
 def preprocess(image: Any, multiple: int) -> Any:
     """A PIL image -> ``[1, 3, H, W]`` float32 in [-1, 1], as ``VaeImageProcessor.preprocess``
-    (``vae_scale_factor=multiple``): RGB as ``media_input.rgb_image`` makes it (16-bit grey
+    (``vae_scale_factor=multiple``): RGB as ``app.media.read.rgb_image`` makes it (16-bit grey
     scaled, not clipped), sizes rounded down to the multiple with Lanczos."""
     import numpy as np
     import torch
     from PIL import Image
 
-    from app.media_input import rgb_image
+    from app.media.read import rgb_image
 
     image = rgb_image(image)
     w, h = image.size
@@ -129,7 +129,7 @@ def read_image(path: Path, multiple: int) -> Any:
     """Opened as the service opens a body: PNG, JPEG or WebP only, whatever the suffix."""
     from PIL import Image, UnidentifiedImageError
 
-    from app.media_input import IMAGE_FORMATS
+    from app.media.read import IMAGE_FORMATS
 
     try:
         with Image.open(path, formats=IMAGE_FORMATS) as image:
@@ -145,7 +145,7 @@ def read_video(path: Path, multiple: int) -> Any:
     import torch
     from PIL import Image
 
-    from app.media_input import MediaError, mp4_frames, probe_mp4
+    from app.media.read import MediaError, mp4_frames, probe_mp4
 
     try:
         info = probe_mp4(path)

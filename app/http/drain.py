@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger("app.drain")
+log = logging.getLogger("app.http.drain")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Untrusted media bodies (``app/media_input.py``): ``POST /encode`` on a live server and
+"""Untrusted media bodies (``app/media/read.py``): ``POST /encode`` on a live server and
 ``python -m app encode``'s reader never let ffmpeg open a file a body names (ffconcat, DASH,
 HLS), refuse a non-MP4 declared ``video/mp4``, keep ffmpeg's banner and host paths out of
 error bodies, refuse an MP4 past the frame or pixel limit before decoding it, and read every
@@ -130,7 +130,7 @@ def pattern_mp4(size: str, frames: int) -> bytes:
 
 
 def imageio_frames(data: bytes) -> np.ndarray:
-    """The MP4's frames as the reader before ``media_input`` decoded them."""
+    """The MP4's frames as the reader before ``app.media.read`` decoded them."""
     import imageio_ffmpeg
 
     with tempfile.NamedTemporaryFile(suffix=".mp4") as file:
@@ -219,7 +219,7 @@ def test_a_real_mp4_encodes_as_before(url, store, clip):
 
 
 def test_media_input_frames_are_imageios(clip, tmp_path):
-    from app.media_input import VideoInfo, mp4_frames, probe_mp4
+    from app.media.read import VideoInfo, mp4_frames, probe_mp4
 
     path = tmp_path / "clip.mp4"
     path.write_bytes(clip)
@@ -229,7 +229,7 @@ def test_media_input_frames_are_imageios(clip, tmp_path):
 
 
 def test_the_cli_reader_refuses_a_concat_script_named_mp4(clip, tmp_path):
-    from app.local_encode import LocalEncodeError, read_video
+    from app.cli.local_encode import LocalEncodeError, read_video
 
     (tmp_path / "victim.mp4").write_bytes(clip)
     script = tmp_path / "innocent.mp4"
@@ -279,7 +279,7 @@ def test_a_frame_past_max_pixels_is_refused(url):
 
 
 def test_decoding_stops_at_the_limit_and_holds_each_frame_to_the_probe(clip, tmp_path):
-    from app.media_input import MediaError, VideoInfo, mp4_frames
+    from app.media.read import MediaError, VideoInfo, mp4_frames
 
     path = tmp_path / "clip.mp4"
     path.write_bytes(clip)
@@ -294,13 +294,13 @@ def test_decoding_stops_at_the_limit_and_holds_each_frame_to_the_probe(clip, tmp
 
 @pytest.mark.parametrize("read", ["image", "mp4"])
 def test_running_out_of_memory_is_a_503_with_retry_after(url, clip, monkeypatch, read):
-    from app import media_input
+    from app.media import read as media_read
 
     def exhausted(*args, **kwargs):
         raise MemoryError
 
     name = "rgb_image" if read == "image" else "mp4_frames"
-    monkeypatch.setattr(media_input, name, exhausted)
+    monkeypatch.setattr(media_read, name, exhausted)
     if read == "image":
         png = png_bytes(Image.new("RGB", (64, 64)))
         r = requests.post(f"{url}/encode/flux-enc", data=png, timeout=60)
@@ -371,7 +371,7 @@ MODES = {  # mode -> (an image of it, the RGB it means)
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_png_mode_reads_as_the_rgb_it_means(mode):
-    from app.media_input import rgb_image
+    from app.media.read import rgb_image
 
     image, rgb = MODES[mode]
     got = rgb_image(image)
@@ -380,7 +380,7 @@ def test_every_png_mode_reads_as_the_rgb_it_means(mode):
 
 
 def test_16_bit_mid_grey_is_zero_in_the_encoders_range():
-    from app.local_encode import preprocess
+    from app.cli.local_encode import preprocess
 
     x = preprocess(Image.open(io.BytesIO(png_16_bit(np.full((16, 16, 1), 32768), 0))), 8)
     assert x.shape == (1, 3, 16, 16) and float(x.abs().max()) < 0.01
@@ -404,7 +404,7 @@ def test_16_bit_grey_png_encodes_as_its_8_bit_twin_over_http(url):
 
 
 def test_16_bit_grey_png_in_the_cli_reader(tmp_path):
-    from app.local_encode import read_image
+    from app.cli.local_encode import read_image
 
     wide, narrow = grey_pair()
     (tmp_path / "wide.png").write_bytes(wide)
@@ -414,7 +414,7 @@ def test_16_bit_grey_png_in_the_cli_reader(tmp_path):
 
 
 def test_ffmpegs_last_line_loses_addresses_and_paths(tmp_path):
-    from app.media_input import _last_line
+    from app.media.read import _last_line
 
     body = tmp_path / "body.mp4"
     log = f"[in#0 @ 0x55d4be23cd00] Opening 'file:{body}'\n[dec:h264 @ 0x55b5f1265280] "

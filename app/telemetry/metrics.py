@@ -17,7 +17,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from app.gpu_stats import register_gpu_stats
+from app.telemetry.gpu_stats import register_gpu_stats
 
 # No `*_created` series: nothing here reads them, and Managed Prometheus bills every series.
 disable_created_metrics()

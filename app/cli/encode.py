@@ -1,5 +1,5 @@
 """``python -m app encode``: one image or MP4 -> one latent file, in this process from the
-local store (app/local_encode.py) or through a running service with ``--url`` (``vae_client``:
+local store (app/cli/local_encode.py) or through a running service with ``--url`` (``vae_client``:
 the file is sent as it is, the latent comes back in the format the output suffix names).
 Progress on stderr, ``--timings``' table on stdout, any failure as one ``error:`` line."""
 
@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cli_decode import CommandError, Progress, format_timings
-from app.local import LocalDecodeError
-from app.local_encode import OPTION_NAMES, check_input_file, check_latent_output, encode_file
+from app.cli.decode import CommandError, Progress, format_timings
+from app.cli.local_decode import LocalDecodeError
+from app.cli.local_encode import OPTION_NAMES, check_input_file, check_latent_output, encode_file
 
 
 def run(args: argparse.Namespace) -> int:

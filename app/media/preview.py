@@ -1,7 +1,7 @@
 """Zero-cost previews: ComfyUI's latent-to-RGB approximation, no decoder.
 
 A sampler shows progress each step by mapping every latent pixel's channels to RGB with a
-published per-format linear map plus bias (app/preview_factors.py), then ``[-1, 1]`` to
+published per-format linear map plus bias (app/media/preview_factors.py), then ``[-1, 1]`` to
 ``0..255`` as ComfyUI's ``preview_to_image`` does. The latent is the sampler's (the model's
 scaled space, before ``do_scaling``'s de-normalization): nothing here de-normalizes it. One
 small matmul: milliseconds on any CPU, at latent resolution (``scale`` repeats pixels to
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from app.preview_factors import FACTORS
+from app.media.preview_factors import FACTORS
 
 FORMATS = tuple(FACTORS)  # "sd1.5", "sdxl", "sd3", "flux1", "flux2", "ltxv", "wan2.1", ...
 

@@ -83,7 +83,7 @@ def decode_file(
     t0 = time.perf_counter()
     from app.protocol import ProtocolError
     from app.store import StoreError
-    from app.timing import PhaseTimer
+    from app.telemetry.timing import PhaseTimer
 
     timer = PhaseTimer()
     timer.add("import", time.perf_counter() - t0)  # torch's import is most of a small decode
@@ -110,8 +110,8 @@ def _decode(
     import numpy as np
     import torch
 
-    from app import media
-    from app.request import Output
+    from app.media import write
+    from app.protocol.request import Output
 
     runtime, served = _load(models_dir, model, timer)
     with timer.phase("parse"):
@@ -134,7 +134,7 @@ def _decode(
     with timer.phase("encode"):
         with _atomic(out) as f:
             if request.output is Output.IMAGE:
-                f.write(media.encode_image(decoded[0], request.image_format, request.quality))
+                f.write(write.encode_image(decoded[0], request.image_format, request.quality))
             else:
                 np.save(f, decoded.numpy())
 
@@ -158,8 +158,8 @@ def _load(store: Path, name: str, timer: Any) -> tuple[Any, Any]:
     """The service's runtime for this one model: the exact float32 CPU path unless the
     environment (``VAE_DEVICE``, ``VAE_DTYPE``) asks for another, gated as the service gates."""
     from app.config import Settings
-    from app.metrics import Metrics
     from app.runtime import Runtime
+    from app.telemetry.metrics import Metrics
 
     exact = {} if os.environ.get("VAE_DTYPE") else {"dtype": "float32"}
     settings = Settings(models_dir=store, models=name, **exact)
@@ -191,7 +191,7 @@ def _counted(
 def _write_mp4(chunks: Iterator[Any], out: Path, fps: float, threads: int, timer: Any) -> None:
     """uint8 frame chunks streamed into the encoder as they are decoded, as the service
     streams them; ``encode`` is the encoder's own time, not the decode it waits on."""
-    from app.video import encode_mp4
+    from app.media.mp4 import encode_mp4
 
     waited = 0.0
 

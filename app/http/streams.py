@@ -28,10 +28,10 @@ import time
 from collections.abc import Awaitable, Generator, Iterator
 from typing import Any
 
+from app.media.mp4 import encode_mp4, reap
 from app.runtime.scheduler import Job
-from app.video import encode_mp4, reap
 
-log = logging.getLogger("app.streams")
+log = logging.getLogger("app.http.streams")
 
 TCP_INFO_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info
 POLL_S = 1.0  # how often a waiting send looks at the reader's progress (at most)

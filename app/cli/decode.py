@@ -1,5 +1,5 @@
 """``python -m app decode``: one latent file -> one output file, in this process from the
-local store (app/local.py) or through a running service with ``--url`` (the sampler-side
+local store (app/cli/local_decode.py) or through a running service with ``--url`` (the sampler-side
 client, ``vae_client``, which never imports torch). Progress on stderr, ``--timings``'
 per-phase table on stdout, and any failure as one ``error:`` line and exit status 1."""
 
@@ -14,7 +14,13 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from app.local import LocalDecodeError, check_latent_file, check_model, decode_file, output_for
+from app.cli.local_decode import (
+    LocalDecodeError,
+    check_latent_file,
+    check_model,
+    decode_file,
+    output_for,
+)
 
 SPINNER = "|/-\\"
 PARAM_NAMES = (

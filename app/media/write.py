@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from app.png import encode_png
+from app.media.png import encode_png
 
 PIL_FORMAT = {"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}
 WIRE_NAME = {
@@ -22,7 +22,7 @@ WIRE_NAME = {
 
 
 def encode_image(frame: Tensor, fmt: str, quality: int = 90) -> bytes:
-    """One uint8 image [H,W,3] -> encoded bytes: PNG with fpng or Pillow (app/png.py), JPEG
+    """One uint8 image [H,W,3] -> encoded bytes: PNG with fpng or Pillow (app/media/png.py), JPEG
     and WebP with Pillow."""
     pixels = frame.contiguous().numpy()
     if fmt == "png":

@@ -6,7 +6,7 @@ Numeric data copied from ComfyUI's ``comfy/latent_formats.py`` (``latent_rgb_fac
 040a3243468ecefd1f2802592d90458f1ce4d65f: classes SD15, SDXL, SD3, Flux, LTXV, Wan21 and
 HunyuanVideo. ``flux2`` is ComfyUI's later Flux2 format (its 32 rows apply to the 32-channel
 VAE latent, as its SDXL_Flux2 does), read from a copy of a newer version of the same file.
-Transcribed as published (do not tune them here); app/preview.py applies them.
+Transcribed as published (do not tune them here); app/media/preview.py applies them.
 """
 
 # fmt: off

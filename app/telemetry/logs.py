@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-REQUEST_LOGGER = "app.request"
+REQUEST_LOGGER = "app.protocol.request"
 TRACE_FIELD = "logging.googleapis.com/trace"
 SPAN_FIELD = "logging.googleapis.com/spanId"
 SAMPLED_FIELD = "logging.googleapis.com/trace_sampled"
