@@ -17,6 +17,14 @@ from torch import Tensor, nn
 from app.decoders import ops, winograd
 from app.decoders.tiling import Grid
 from app.encoders.flux.model import EncoderModel
+from app.encoders.memory import Level, peak_values
+
+# maps of a level's width live at once in one of its resnets; the same with Winograd convs
+# (``optimize``), and their buffers in transformed input blocks: measured, with a margin
+# (docs/encoders.md, "Memory")
+MAPS_PER_FRAME = 6.5
+WINOGRAD_MAPS_PER_FRAME = 5.5
+WINOGRAD_BLOCKS = 4.25
 
 
 class Encoder(EncoderModel):
@@ -115,15 +123,31 @@ class Encoder(EncoderModel):
         ]
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
-        """Peak live activations: the first down block holds about three full-resolution
-        maps of the first width (input, branch, output), plus the mid attention's H*W x H*W
-        scores at the last resolution (SDPA on CPU may materialise them)."""
+        """The widest level's resnet (``memory``: the first, at full resolution, but on a
+        tiny input), with the Winograd convs' block buffers where ``optimize`` prepared
+        them, and the moments. The mid attention holds O(H*W) (``attend``)."""
         batch, height, width = input_shape[0], input_shape[-2], input_shape[-1]
-        width0 = self.config["block_out_channels"][0]
-        full = 3 * width0 * height * width
         h, w = self.latent_hw(height, width)
-        attention = (h * w) ** 2 if self.config["mid_block_add_attention"] else 0
-        return batch * (full + attention) * element_size
+        moments = batch * 2 * self.latent_channels * h * w
+        levels = self._levels(batch, height, width)
+        if not self._runs_winograd():
+            return (peak_values(levels, MAPS_PER_FRAME) + moments) * element_size
+        # a transformed block: 36 values per 4x4 output tile, at most TRANSFORMED_BLOCK_BYTES
+        frame = 36 * levels[0].pixels * levels[0].width // 16
+        block = min(winograd.TRANSFORMED_BLOCK_BYTES // element_size, frame)
+        values = peak_values(levels, WINOGRAD_MAPS_PER_FRAME) + int(WINOGRAD_BLOCKS * block)
+        return (values + moments) * element_size
+
+    def _runs_winograd(self) -> bool:
+        """Whether the full-resolution resnets' convs run by Winograd (``optimize``)."""
+        return getattr(self.down_blocks[0].resnets[0].conv1, "winograd", None) is not None
+
+    def _levels(self, batch: int, height: int, width: int) -> list[Level]:
+        levels = []
+        for channels in self.config["block_out_channels"]:
+            levels.append(Level(channels, 1, batch * height * width, taps=9, pad_frames=0))
+            height, width = (height - 2) // 2 + 1, (width - 2) // 2 + 1  # as ``latent_hw``
+        return levels
 
     def optimize(self) -> None:
         """The decoder's rewrites that apply to the encoder: in-place SiLU (each reads a fresh

@@ -18,7 +18,15 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from app.decoders.flux.model import FLUX1_CONFIG, GN_EPS, LatentStats, MidBlock, ResnetBlock
+from app.decoders.flux.model import (
+    FLUX1_CONFIG,
+    GN_EPS,
+    LatentStats,
+    MidBlock,
+    ResnetBlock,
+    SpatialAttention,
+)
+from app.encoders.attention import attend
 from app.encoders.base import VAEEncoder
 
 # FLUX.1's encoder: the decoder's config keys, plus the encoder-only ones.
@@ -60,6 +68,24 @@ class DownBlock(nn.Module):
         return x
 
 
+class MidAttention(SpatialAttention):
+    """The decoder's attention (same weights) through ``attend``: no (H*W)^2 scores on any
+    device (the decoder's relies on SDPA picking a fused kernel)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, c, h, w = x.shape
+        tokens = self.group_norm(x).flatten(2).transpose(1, 2)  # [B, HW, C]
+        q, k, v = (proj(tokens).unsqueeze(1) for proj in (self.to_q, self.to_k, self.to_v))
+        out = self.to_out[0](attend(q, k, v).squeeze(1))
+        return x + out.transpose(1, 2).reshape(b, c, h, w)
+
+
+class EncoderMidBlock(MidBlock):
+    def __init__(self, channels: int, groups: int, attention: bool) -> None:
+        super().__init__(channels, groups, attention)
+        self.attentions = nn.ModuleList([MidAttention(channels, groups)] if attention else [])
+
+
 class EncoderModel(VAEEncoder):
     """The layers and the forward (pixels -> moments); ``encode.Encoder`` adds the rest."""
 
@@ -79,7 +105,7 @@ class EncoderModel(VAEEncoder):
             )
             for i in range(len(widths))
         )
-        self.mid_block = MidBlock(widths[-1], groups, cfg["mid_block_add_attention"])
+        self.mid_block = EncoderMidBlock(widths[-1], groups, cfg["mid_block_add_attention"])
         self.conv_norm_out = nn.GroupNorm(groups, widths[-1], eps=GN_EPS)
         self.conv_act = nn.SiLU()
         self.conv_out = nn.Conv2d(widths[-1], 2 * latent, 3, padding=1)

@@ -14,6 +14,7 @@ A clip of ``1 + 4k`` frames gives ``1 + k`` latent frames.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -23,15 +24,16 @@ from torch import Tensor, nn
 from app.encoders import video
 from app.encoders.base import VAEEncoder
 from app.encoders.hunyuan_video.model import EncoderNet, EncoderSpec, down_strides
+from app.encoders.memory import Level, peak_values
 
 SCALING_FACTOR = 0.476986  # HunyuanVideo's published latent scale
 TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
 TILE_SAMPLE_STRIDE = 192  # diffusers' tile_sample_stride_height / _width
 TILE_SAMPLE_FRAMES = 16  # diffusers' tile_sample_min_num_frames
 TILE_SAMPLE_FRAME_STRIDE = 12  # diffusers' tile_sample_stride_num_frames
-# peak live values per input pixel of a window, in units of the first width: measured on
-# the meta device (docs/encoders.md)
-WORK_CHANNELS = 6.5
+# maps of a level's width live at once per frame in one of its resnets: measured, with a
+# margin (docs/encoders.md, "Memory")
+MAPS_PER_FRAME = 7.5
 
 # diffusers' AutoencoderKLHunyuanVideo defaults for the encoder half
 DEFAULTS: dict[str, Any] = {
@@ -143,10 +145,24 @@ class Encoder(VAEEncoder):
         return video.stages([net.conv_in], net.down_blocks, net.mid_block, head)
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
-        frames = input_shape[2] if len(input_shape) == 5 else 1
-        frames = min(frames, TILE_SAMPLE_FRAMES + 1)
-        pixels = input_shape[0] * frames * input_shape[-2] * input_shape[-1]
-        return int(pixels * WORK_CHANNELS * self.spec.widths[0] * element_size)
+        """One pass's widest level (``memory``) over one window (``TILE_SAMPLE_FRAMES`` + 1
+        frames, or the whole clip when it is no longer), and the moments (the windows', the
+        kept ones and their concatenation). Attention holds O(T*H*W) (``attend``)."""
+        b, frames = input_shape[0], input_shape[2] if len(input_shape) == 5 else 1
+        pixels = b * math.prod(input_shape[-2:])
+        window = frames if frames <= TILE_SAMPLE_FRAMES else TILE_SAMPLE_FRAMES + 1
+        values = peak_values(self._levels(window, pixels), MAPS_PER_FRAME)
+        cells = self.latent_frames(frames) * pixels // self.spatial_scale**2
+        return (values + 3 * 2 * self.spec.latent_channels * cells) * element_size
+
+    def _levels(self, frames: int, pixels: int) -> list[Level]:
+        levels = []
+        for width, stride in zip(self.spec.widths, self.spec.strides, strict=True):
+            levels.append(Level(width, frames, pixels))
+            if stride is not None:
+                frames = (frames - 1) // stride[0] + 1
+                pixels //= stride[1] * stride[2]
+        return levels
 
     def probe_input(self, generator: torch.Generator) -> Tensor:
         side = self.spatial_scale * 4

@@ -17,9 +17,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
-from app.decoders.hunyuan_video.model import EPS, MidBlock, ReplicateCausalConv3d, ResnetBlock
+from app.decoders.hunyuan_video.model import (
+    EPS,
+    CausalAttention,
+    MidBlock,
+    ReplicateCausalConv3d,
+    ResnetBlock,
+)
+from app.encoders.attention import attend
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,29 @@ class DownBlock(nn.Module):
         return self.downsamplers[0](x) if self.downsamplers is not None else x
 
 
+class MidAttention(CausalAttention):
+    """The decoder family's block-causal attention (same weights), one query frame at a time
+    through ``attend``: no (H*W) x (T*H*W) scores on any device."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, c, t, h, w = x.shape
+        tokens = self.group_norm(x).flatten(2).transpose(1, 2)  # [B, T*H*W, C], (t, h, w) order
+        q, k, v = (proj(tokens).unsqueeze(1) for proj in (self.to_q, self.to_k, self.to_v))
+        n = h * w
+        frames = [
+            attend(q[:, :, f * n : (f + 1) * n], k[:, :, : (f + 1) * n], v[:, :, : (f + 1) * n])
+            for f in range(t)
+        ]
+        out = self.to_out[0](torch.cat(frames, dim=2).squeeze(1))
+        return x + out.transpose(1, 2).reshape(b, c, t, h, w)
+
+
+class EncoderMidBlock(MidBlock):
+    def __init__(self, dim: int, groups: int, attention: bool) -> None:
+        super().__init__(dim, groups, attention)
+        self.attentions = nn.ModuleList([MidAttention(dim, groups)] if attention else [])
+
+
 class EncoderNet(nn.Module):
     """diffusers' ``vae.encoder``: one window of frames in one pass."""
 
@@ -99,7 +130,7 @@ class EncoderNet(nn.Module):
             DownBlock(cin, cout, spec, stride)
             for cin, cout, stride in zip([w[0], *w[:-1]], w, spec.strides, strict=True)
         )
-        self.mid_block = MidBlock(w[-1], spec.groups, spec.attention)
+        self.mid_block = EncoderMidBlock(w[-1], spec.groups, spec.attention)
         self.conv_norm_out = nn.GroupNorm(spec.groups, w[-1], eps=EPS)
         self.conv_act = nn.SiLU()
         self.conv_out = ReplicateCausalConv3d(w[-1], 2 * spec.latent_channels)

@@ -34,15 +34,16 @@ from app.encoders.ltx.model import (
     EncoderNet,
     EncoderSpec,
 )
+from app.encoders.memory import PAD_MAPS, Level, peak_values
 
 VERSION_LTX2 = "ltx2"
 TILE_SAMPLE_SIZE = 512  # diffusers' tile_sample_min_height / _width
 TILE_SAMPLE_STRIDE = 448  # diffusers' tile_sample_stride_height / _width
 TILE_SAMPLE_FRAMES = 16  # diffusers' tile_sample_min_num_frames
 TILE_SAMPLE_FRAME_STRIDE = 8  # diffusers' tile_sample_stride_num_frames
-# peak live values per input pixel beyond 3x the stem's (conv_in's output and its inputs):
-# measured on the meta device (docs/encoders.md)
-WORK_CHANNELS = 30
+# maps of a level's width live at once per frame in one of its resnets: measured, with a
+# margin (docs/encoders.md, "Memory")
+MAPS_PER_FRAME = 7.5
 
 # diffusers' AutoencoderKLLTXVideo defaults for the encoder half (a config.json may omit them)
 DEFAULTS: dict[str, Any] = {
@@ -236,10 +237,34 @@ class Encoder(VAEEncoder):
         return video.stages([net.patchify, net.conv_in], net.down_blocks, net.mid_block, head)
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
-        frames = input_shape[2] if len(input_shape) == 5 else 1
-        pixels = input_shape[0] * frames * input_shape[-2] * input_shape[-1]
-        stem = self.spec.stem_channels / (self.spec.patch**2 * self.spec.patch_t)
-        return int(pixels * (WORK_CHANNELS + 3 * stem) * element_size)
+        """The one pass's widest level (``memory``) over the whole clip, or conv_in's input
+        where it is wider, and the moments."""
+        b, frames = input_shape[0], input_shape[2] if len(input_shape) == 5 else 1
+        pixels = b * math.prod(input_shape[-2:])
+        latent = 2 * self.spec.latent_channels * self.latent_frames(frames) * pixels
+        latent //= self.spatial_scale**2
+        frames, pixels = frames // self.spec.patch_t, pixels // self.spec.patch**2
+        levels = peak_values(self._levels(frames, pixels), MAPS_PER_FRAME)
+        return (max(levels, self._stem_values(frames, pixels)) + latent) * element_size
+
+    def _stem_values(self, frames: int, pixels: int) -> int:
+        """conv_in's input: the patchified clip, its padded copy, oneDNN's copy of that, and
+        conv_in's output (narrower, counted as wide): four maps a frame."""
+        channels = self.spec.in_channels * self.spec.patch**2 * self.spec.patch_t
+        return int((4 * frames + 2 * PAD_MAPS) * channels * pixels)
+
+    def _levels(self, frames: int, pixels: int) -> list[Level]:
+        """Each down block's resnets (at its input width; 0.9.0's width-changing resnet after
+        its downsampler), then the mid block's."""
+        levels = []
+        for block in self.spec.blocks:
+            levels.append(Level(block.cin, frames, pixels))
+            if block.downsample:
+                st, sh, sw = DOWNSAMPLE_STRIDES[block.downsample]
+                frames, pixels = -(-frames // st), pixels // (sh * sw)
+            if block.conv_out:
+                levels.append(Level(block.cout, frames, pixels))
+        return [*levels, Level(self.spec.mid_channels, frames, pixels)]
 
     def probe_input(self, generator: torch.Generator) -> Tensor:
         side = self.spatial_scale * 2

@@ -24,13 +24,14 @@ from torch import Tensor, nn
 from app.decoders.minimax_h3.schedule import split_tiles, stitch_tiles
 from app.encoders import video
 from app.encoders.base import VAEEncoder
+from app.encoders.memory import Level, peak_values
 from app.encoders.minimax_h3.model import EncoderNet, EncoderSpec
 
 TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
 TILE_SAMPLE_OVERLAP = 64  # diffusers' tile_sample_min_overlap_height / _width
-# peak live values per input pixel of a tile clip, in units of the first width: measured
-# on the meta device (docs/encoders.md)
-WORK_CHANNELS = 6.5
+# maps of a level's width live at once per frame in one of its resnets: measured, with a
+# margin (docs/encoders.md, "Memory")
+MAPS_PER_FRAME = 7.5
 
 # diffusers' AutoencoderKLMiniMaxH3 defaults for the encoder half
 DEFAULTS: dict[str, Any] = {
@@ -163,11 +164,29 @@ class Encoder(VAEEncoder):
         return video.stages([net.conv_in], net.down_blocks, None, head)
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
-        frames = input_shape[2] if len(input_shape) == 5 else 1
-        frames = min(frames, int(self.config["clip_length"]))
-        side = TILE_SAMPLE_SIZE
-        pixels = input_shape[0] * frames * min(input_shape[-2], side) * min(input_shape[-1], side)
-        return int(pixels * WORK_CHANNELS * self.spec.widths[0] * element_size)
+        """One pass's widest level (``memory``) over one clip (``clip_length`` frames, or the
+        one frame of an image) of one tile, the padded clip (a copy of the input) and the
+        moments (the tiles', the clips' and their concatenation)."""
+        b, frames = input_shape[0], input_shape[2] if len(input_shape) == 5 else 1
+        height, width = input_shape[-2:]
+        length = int(self.config["clip_length"])
+        clip = 1 if frames == 1 else length
+        side = TILE_SAMPLE_SIZE  # tiles are exactly this wide, or the whole frame
+        tile = b * min(height, side) * min(width, side)
+        values = peak_values(self._levels(clip, tile), MAPS_PER_FRAME)
+        padded = 0 if frames == 1 or frames % length == 0 else -(-frames // length) * length
+        pixels = b * height * width
+        cells = self.latent_frames(frames) * pixels // self.spatial_scale**2
+        latent = 2 * self.spec.latent_channels * cells
+        return (values + self.spec.in_channels * padded * pixels + 3 * latent) * element_size
+
+    def _levels(self, frames: int, pixels: int) -> list[Level]:
+        levels = []
+        spec = self.spec
+        for width, ft, fs in zip(spec.widths, spec.temporal, spec.spatial, strict=True):
+            levels.append(Level(width, frames, pixels))
+            frames, pixels = -(-frames // ft), pixels // fs**2
+        return levels
 
     def probe_input(self, generator: torch.Generator) -> Tensor:
         side = self.spatial_scale * 2

@@ -12,7 +12,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from app.encoders.memory import Level, peak_values
 from app.encoders.taesd.model import EncoderModel
+
+# maps of a level's width live at once in one of its blocks: measured, with a margin
+# (docs/encoders.md, "Memory")
+MAPS_PER_FRAME = 4.5
 
 
 class Encoder(EncoderModel):
@@ -69,10 +74,20 @@ class Encoder(EncoderModel):
         ]
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
-        """About four full-resolution maps of the first width live at once (input, two
-        branch activations, the block's output)."""
+        """The widest level's blocks (``memory``: the first, at full resolution), the input
+        mapped to [0, 1] and the latent."""
         batch, height, width = input_shape[0], input_shape[-2], input_shape[-1]
-        return batch * 4 * self.config["channels"][0] * height * width * element_size
+        scale = self.spatial_scale
+        latent = self.latent_channels * (height // scale) * (width // scale)
+        values = peak_values(self._levels(batch, height, width), MAPS_PER_FRAME)
+        return (values + batch * (3 * height * width + latent)) * element_size
+
+    def _levels(self, batch: int, height: int, width: int) -> list[Level]:
+        levels = []
+        for channels in self.config["channels"]:
+            levels.append(Level(channels, 1, batch * height * width, taps=9, pad_frames=0))
+            height, width = (height + 1) // 2, (width + 1) // 2
+        return levels
 
     def probe_input(self, generator: torch.Generator) -> Tensor:
         return torch.rand((1, 3, 64, 64), generator=generator) * 2 - 1

@@ -22,15 +22,17 @@ from torch import Tensor, nn
 from app.decoders.wan.model import ZeroPadCausalConv3d
 from app.encoders import video
 from app.encoders.base import VAEEncoder
-from app.encoders.wan.model import EncoderNet, EncoderSpec, EncoderStream, patchify
+from app.encoders.memory import Level, peak_values
+from app.encoders.wan.model import Downsampler, EncoderNet, EncoderSpec, EncoderStream, patchify
 
 CHUNK = 4  # frames per cached step of the reference (after the first frame)
 DEFAULT_CHUNK_FRAMES = 16
 TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
 TILE_SAMPLE_STRIDE = 192  # diffusers' tile_sample_stride_height / _width
-# peak live values per (patchified) input pixel of a chunk, in units of base_dim: measured
-# on the meta device (docs/encoders.md)
-WORK_CHANNELS = 7
+# maps of a level's width live at once per frame in one of its resnets (Wan 2.2's residual
+# blocks add their shortcut and output): measured, with a margin (docs/encoders.md, "Memory")
+MAPS_PER_FRAME = 6.5
+RESIDUAL_MAPS_PER_FRAME = 7.75
 
 # diffusers' AutoencoderKLWan defaults for the encoder half (a config.json may omit them)
 DEFAULTS: dict[str, Any] = {
@@ -126,10 +128,10 @@ class Encoder(VAEEncoder):
         step = chunk or x.shape[2]
         starts = [0, *range(1 + step, x.shape[2], step)] if chunk else [0]
         ends = [*starts[1:], x.shape[2]]
-        outs = [
-            self.quant_conv(self.encoder(x[:, :, a:b], s))
-            for a, b in zip(starts, ends, strict=True)
-        ]
+        outs = []
+        for a, b in zip(starts, ends, strict=True):
+            s.final = b == x.shape[2]
+            outs.append(self.quant_conv(self.encoder(x[:, :, a:b], s)))
         return torch.cat(outs, 2) if len(outs) > 1 else outs[0]
 
     def normalize(self, z: Tensor) -> Tensor:
@@ -142,10 +144,44 @@ class Encoder(VAEEncoder):
         return video.stages([net.conv_in], net.down_blocks, net.mid_block, head)
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
-        frames = input_shape[2] if len(input_shape) == 5 else 1
-        frames = min(frames, 1 + DEFAULT_CHUNK_FRAMES)
-        pixels = input_shape[0] * frames * math.prod(input_shape[-2:]) // self.patch**2
-        return int(pixels * WORK_CHANNELS * self.spec.base_dim * element_size)
+        """The first (largest) chunk's widest level (``memory``), every causal conv's carried
+        frames when more chunks follow, Wan 2.2's patchified clip and the moments (each
+        chunk's and their concatenation). Attention holds O(H*W) (``attend``)."""
+        b, frames = input_shape[0], input_shape[2] if len(input_shape) == 5 else 1
+        frames = 1 + (frames - 1) // CHUNK * CHUNK  # the frames the reference reads
+        pixels = math.prod(input_shape[-2:]) // self.patch**2
+        chunk = min(frames, 1 + DEFAULT_CHUNK_FRAMES)
+        maps = RESIDUAL_MAPS_PER_FRAME if self.spec.is_residual else MAPS_PER_FRAME
+        values = peak_values(self._levels(chunk, b * pixels), maps)
+        if frames > chunk:
+            values += int(b * pixels * self.carry_values_per_pixel())
+        if self.patch > 1:
+            values += b * self.spec.in_channels * frames * pixels
+        cells = self.latent_frames(frames) * pixels // 4 ** (len(self.spec.dim_mult) - 1)
+        return (values + 2 * b * 2 * self.spec.z_dim * cells) * element_size
+
+    def _levels(self, frames: int, pixels: int) -> list[Level]:
+        """Each down stage's resnets (the last one's: the mid block's too)."""
+        levels, dims = [], [self.spec.base_dim * m for m in self.spec.dim_mult]
+        for i, width in enumerate(dims):
+            levels.append(Level(width, frames, pixels))
+            pixels //= 4
+            if i < len(dims) - 1 and self.spec.temperal_downsample[i]:
+                frames = (frames + 1) // 2
+        return levels
+
+    def carry_values_per_pixel(self) -> float:
+        """Values of every causal conv's carried frames (``EncoderStream``) per (patchified)
+        input pixel: what the stream holds from one chunk to the next."""
+        total, area = 0.0, 1.0
+        for module in self.encoder.modules():
+            if isinstance(module, Downsampler):
+                area /= 4
+                if module.time_conv is not None:
+                    total += module.time_conv.in_channels * area  # one frame
+            elif isinstance(module, ZeroPadCausalConv3d) and module.kernel_size[0] > 1:
+                total += (module.kernel_size[0] - 1) * module.in_channels * area
+        return total
 
     def probe_input(self, generator: torch.Generator) -> Tensor:
         side = self.spatial_scale * 4

@@ -37,9 +37,21 @@ from app.decoders.wan.model import (
     RMSNorm,
     ZeroPadCausalConv3d,
 )
+from app.encoders.attention import attend
 
-# the decoder family's frame cache copies each carry out of its chunk (no pinned inputs)
-EncoderStream = FrameCache
+
+class EncoderStream(FrameCache):
+    """The decoder family's frame cache (each carry copied out of its chunk: no pinned
+    inputs) that keeps no carry from the stream's ``final`` chunk: none would read it, and
+    for one chunk (an image) each conv's two-frame carry would be a full map held to the end."""
+
+    final: bool = False
+
+    def causal(self, conv: nn.Module, x: Tensor, frames: int) -> Tensor:
+        if not self.final:
+            return super().causal(conv, x, frames)
+        prev = self.carry.pop(conv, None)
+        return F.pad(x, (0, 0, 0, 0, frames, 0)) if prev is None else torch.cat([prev, x], 2)
 
 
 @dataclass(frozen=True)
@@ -70,7 +82,7 @@ class Downsampler(nn.Module):
         self.resample = nn.Sequential(nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(dim, dim, 3, 2))
         self.time_conv = nn.Conv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
 
-    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
+    def forward(self, x: Tensor, s: EncoderStream) -> Tensor:
         x = frames_2d(x, self.resample)
         if self.time_conv is None:
             return x
@@ -79,11 +91,34 @@ class Downsampler(nn.Module):
             out.append(x[:, :, :1])
             seq = x
         else:
-            seq = torch.cat([s.carry[self], x], 2)
-        s.carry[self] = seq[:, :, -1:].clone()
+            seq = torch.cat([s.carry.pop(self), x], 2)
+        if not s.final:
+            s.carry[self] = seq[:, :, -1:].clone()
         if seq.shape[2] >= 3:
             out.append(conv3d(seq, self.time_conv))
         return torch.cat(out, 2) if len(out) > 1 else out[0]
+
+
+class MidAttention(AttentionBlock):
+    """The decoder family's attention block (same weights) through ``attend``. The decoder's
+    hands SDPA q, k, v as views strided along their last dimension, which no fused kernel
+    takes: the math kernel then builds the (H*W)^2 scores of every frame."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, c, t, h, w = x.shape
+        frames = x.transpose(1, 2).reshape(b * t, c, h, w)
+        qkv = self.to_qkv(self.norm(frames)).flatten(2).transpose(1, 2).contiguous()
+        q, k, v = qkv.unsqueeze(1).chunk(3, dim=-1)  # [bt, 1, hw, c] each
+        out = attend(q, k, v).squeeze(1).transpose(1, 2).reshape(b * t, c, h, w)
+        return x + self.proj(out).view(b, t, c, h, w).transpose(1, 2)
+
+
+class EncoderMidBlock(MidBlock):
+    """The decoder family's mid block with ``MidAttention``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.attentions = nn.ModuleList([MidAttention(dim)])
 
 
 class AvgDown(nn.Module):
@@ -117,7 +152,7 @@ class ResidualDownBlock(nn.Module):
         )
         self.downsampler = Downsampler(cout, temporal) if down else None
 
-    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
+    def forward(self, x: Tensor, s: EncoderStream) -> Tensor:
         skip = self.avg_shortcut(x)
         for resnet in self.resnets:
             x = resnet(x, s)
@@ -150,12 +185,12 @@ class EncoderNet(nn.Module):
             if i != last:
                 self.down_blocks.append(Downsampler(cout, temporal))
                 scale /= 2.0
-        self.mid_block = MidBlock(dims[-1])
+        self.mid_block = EncoderMidBlock(dims[-1])
         self.norm_out = RMSNorm(dims[-1])
         self.nonlinearity = nn.SiLU()
         self.conv_out = ZeroPadCausalConv3d(dims[-1], spec.z_dim * 2, 3)
 
-    def forward(self, x: Tensor, s: FrameCache) -> Tensor:
+    def forward(self, x: Tensor, s: EncoderStream) -> Tensor:
         x = self.conv_in(x, s)
         for layer in self.down_blocks:
             x = layer(x) if isinstance(layer, AttentionBlock) else layer(x, s)
