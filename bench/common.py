@@ -164,7 +164,7 @@ def peak_rss_bytes() -> int:
 
 def compare_outputs(rows: list[dict], outputs: dict, peer: str) -> None:
     """Add each row's cosine and max-abs error against the ``peer`` variant's saved output."""
-    from app.decoders.ops import cosine
+    from app.families.ops import cosine
 
     if peer not in outputs:
         return

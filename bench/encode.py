@@ -42,10 +42,11 @@ from diffusers import AutoencoderKL, AutoencoderTiny
 from torch import nn
 
 from app.config import Settings
-from app.decoders.ops import cosine
-from app.encoders import flux, taesd
-from app.encoders.base import VAEEncoder
-from app.encoders.flux.model import ENCODER_CONFIG
+from app.families.ops import cosine
+from app.families.flux import encoder as flux
+from app.families.taesd import encoder as taesd
+from app.families.encoder import VAEEncoder
+from app.families.flux.encoder.model import ENCODER_CONFIG
 from app.runtime import encoders
 from bench import common
 
@@ -199,7 +200,7 @@ def _video_setup(label: str, module, cls, extra: dict, shape: tuple[int, ...]) -
 def ltx_setup(quick: bool) -> Setup:
     from diffusers import AutoencoderKLLTXVideo
 
-    from app.encoders import ltx
+    from app.families.ltx import encoder as ltx
 
     tiny_decoder = dict(decoder_block_out_channels=(8, 8, 8, 8))
     shape = (1, 3, 9, 128, 128) if quick else (1, 3, 17, 256, 256)
@@ -209,7 +210,7 @@ def ltx_setup(quick: bool) -> Setup:
 def wan_setup(quick: bool) -> Setup:
     from diffusers import AutoencoderKLWan
 
-    from app.encoders import wan
+    from app.families.wan import encoder as wan
 
     shape = (1, 3, 5, 128, 128) if quick else (1, 3, 9, 256, 256)
     return _video_setup("Wan 2.1", wan, AutoencoderKLWan, {"decoder_base_dim": 8}, shape)
@@ -218,7 +219,7 @@ def wan_setup(quick: bool) -> Setup:
 def hunyuan_video_setup(quick: bool) -> Setup:
     from diffusers import AutoencoderKLHunyuanVideo
 
-    from app.encoders import hunyuan_video
+    from app.families.hunyuan_video import encoder as hunyuan_video
 
     shape = (1, 3, 5, 64, 64) if quick else (1, 3, 9, 128, 128)
     return _video_setup("HunyuanVideo", hunyuan_video, AutoencoderKLHunyuanVideo, {}, shape)
@@ -227,7 +228,7 @@ def hunyuan_video_setup(quick: bool) -> Setup:
 def minimax_h3_setup(quick: bool) -> Setup:
     from diffusers import AutoencoderKLMiniMaxH3
 
-    from app.encoders import minimax_h3
+    from app.families.minimax_h3 import encoder as minimax_h3
 
     tiny_decoder = dict(
         decoder_num_layers=1,

@@ -18,9 +18,9 @@ import sys
 import torch
 from diffusers import AutoencoderKL
 
-from app.decoders import flux
-from app.decoders.flux.model import FLUX1_CONFIG
-from app.decoders.ops import cosine
+from app.families.flux import decoder as flux
+from app.families.flux.decoder.model import FLUX1_CONFIG
+from app.families.ops import cosine
 from app.runtime import modes
 from app.runtime.device import cpu_has_fast_bf16
 from bench import common

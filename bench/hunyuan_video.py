@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
-from app.decoders import hunyuan_video
+from app.families.hunyuan_video import decoder as hunyuan_video
 from app.media import mp4
 from app.runtime import modes
 from bench import common

@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLLTXVideo
 
-from app.decoders import ltx
-from app.decoders.ltx.model import DEFAULTS
+from app.families.ltx import decoder as ltx
+from app.families.ltx.decoder.model import DEFAULTS
 from app.media import mp4
 from app.runtime import modes
 from bench import common

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from app.decoders import ltx
-from app.decoders.ltx import ltx2
+from app.families.ltx import decoder as ltx
+from app.families.ltx.decoder import ltx2
 
 CONFIG = ltx.SYNTHETIC["ltx2-tiny"]
 RELEASED = ltx2.DEFAULTS  # the released LTX-2 decoder's architecture

@@ -35,9 +35,9 @@ from diffusers.models.autoencoders.autoencoder_kl_minimax_h3 import (
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from app.decoders import minimax_h3 as mm
-from app.decoders.minimax_h3.model import DEFAULTS, rope_tables
-from app.decoders.ops import cosine
+from app.families.minimax_h3 import decoder as mm
+from app.families.minimax_h3.decoder.model import DEFAULTS, rope_tables
+from app.families.ops import cosine
 from app.runtime import modes
 from bench import common
 

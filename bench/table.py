@@ -39,8 +39,8 @@ from functools import partial
 import torch
 
 from app.config import Settings
-from app.decoders.base import VAEDecoder
-from app.decoders.ops import cosine
+from app.families.decoder import VAEDecoder
+from app.families.ops import cosine
 from app.runtime import gate, modes, selection
 from bench import common
 
@@ -69,11 +69,11 @@ def served_mode(reference: VAEDecoder, float32_only: bool = False) -> modes.Mode
     (app/runtime/selection.py: every candidate mode timed on the gate's probe, the fastest
     that passes the gate), recorded in ``SELECTION`` for the row. ``float32_only``: its
     float32 candidates alone, as a CPU whose bf16 loses to its float32 serves."""
-    probes = gate.Probes(reference)
+    probes = gate.probes_for(reference)
     candidates = modes.candidate_modes("auto", CPU)
     if float32_only:
         candidates = [m for m in candidates if m.dtype == torch.float32]
-    chosen = selection.choose(reference.family, reference, probes, CPU, candidates, MIN_COS)
+    chosen = selection.choose(reference.family, probes, CPU, candidates, MIN_COS)
     SELECTION.update(
         why=chosen.why,
         gate_cos=chosen.chosen.report.cosine if chosen.chosen.report else None,

@@ -25,8 +25,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from app.decoders import flux, taesd
-from app.decoders.flux.model import FLUX1_CONFIG
+from app.families.flux import decoder as flux
+
+from app.families.taesd import decoder as taesd
+from app.families.flux.decoder.model import FLUX1_CONFIG
 from bench import common
 
 SHARED_WEIGHTS = Path(__file__).resolve().parents[2] / "shared/weights/taef2/taef2_decoder.pth"

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from diffusers import AutoencoderKLWan
 
-from app.decoders import wan
+from app.families.wan import decoder as wan
 from app.media import mp4
 from app.runtime import modes
 from bench import common

@@ -10,7 +10,7 @@ bf16 GEMM operands and outputs does, since PyTorch's CPU ``bmm`` has no float32-
 bf16 operands), against a float64 direct conv: 1 - cosine per case, beside a bf16 direct conv
 (oneDNN) rounded the same way at its input, weight and output.
 
-Part 2, speed (this machine): ``app.decoders.winograd.conv3x3`` run on bf16 tensors (every
+Part 2, speed (this machine): ``app.families.winograd.conv3x3`` run on bf16 tensors (every
 buffer and GEMM in bf16) against oneDNN's bf16 direct conv, channels-last, best of
 ``--repeats``, with each one's 1 - cosine against float64.
 """
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from app.decoders import winograd
+from app.families import winograd
 from bench.common import machine
 
 # (B^T, G, A^T) of F(m x m, 3 x 3): input tile m + 2, output tile m

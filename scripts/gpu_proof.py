@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.decoders import FAMILIES, family_module  # noqa: E402
+from app.families import FAMILIES, family_module  # noqa: E402
 from app.protocol.request import DecodeRequest  # noqa: E402
 from app.runtime import device as devices  # noqa: E402
 from app.runtime import gate, modes  # noqa: E402
@@ -147,7 +147,7 @@ class Proof:
             reference = module.Decoder(config)
             module.init_synthetic(reference, torch.Generator().manual_seed(0))
             reference.eval().requires_grad_(False)
-            probes = gate.Probes(reference)
+            probes = gate.probes_for(reference)
             for mode in self._gate_modes():
                 self._gate_one(name, family, reference, probes, mode)
 

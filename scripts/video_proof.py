@@ -29,9 +29,13 @@ from typing import Any
 
 import torch
 
-from app.decoders import family_module, hunyuan_video, ops, wan
-from app.decoders.ltx import ltx2
-from app.decoders.minimax_h3.model import DEFAULTS as MINIMAX_DEFAULTS
+from app.families import family_module, ops
+
+from app.families.hunyuan_video import decoder as hunyuan_video
+
+from app.families.wan import decoder as wan
+from app.families.ltx.decoder import ltx2
+from app.families.minimax_h3.decoder.model import DEFAULTS as MINIMAX_DEFAULTS
 from app.protocol.request import DecodeRequest
 from app.runtime import device as devices
 from app.runtime import gate, modes
@@ -456,9 +460,9 @@ def _candidates(model: VideoModel, fast: Any, device: torch.device):
     """(choice, value, decode options, context patch) to measure for ``model`` on ``device``."""
     import contextlib
 
-    from app.decoders.ltx import decode as ltx_decode
-    from app.decoders.minimax_h3 import decode as mm_decode
-    from app.decoders.wan import decode as wan_decode
+    from app.families.ltx.decoder import decode as ltx_decode
+    from app.families.minimax_h3.decoder import decode as mm_decode
+    from app.families.wan.decoder import decode as wan_decode
 
     none = contextlib.nullcontext
     if model.family == "ltx":
@@ -476,9 +480,9 @@ def _candidates(model: VideoModel, fast: Any, device: torch.device):
 
 def _served_value(choice: str, family: str, device: torch.device) -> Any:
     """What ``family`` serves on ``device`` for ``choice`` today."""
-    from app.decoders.ltx import decode as ltx_decode
-    from app.decoders.minimax_h3 import decode as mm_decode
-    from app.decoders.wan import decode as wan_decode
+    from app.families.ltx.decoder import decode as ltx_decode
+    from app.families.minimax_h3.decoder import decode as mm_decode
+    from app.families.wan.decoder import decode as wan_decode
 
     if choice == "chunk_frames":
         return (wan_decode if family == "wan" else ltx_decode).chunk_frames_for(device)
@@ -493,7 +497,7 @@ class _wan_rmsnorm_upcast:
         self.upcast = upcast
 
     def __enter__(self) -> None:
-        from app.decoders.wan import model as wan_model
+        from app.families.wan.decoder import model as wan_model
 
         self.cls, self.saved = wan_model.RMSNorm, wan_model.RMSNorm.forward
         if not self.upcast:
@@ -507,8 +511,8 @@ class _wan_rmsnorm_upcast:
 
 def flux_band_rows(device: torch.device, quick: bool) -> list[dict[str, Any]]:
     """FLUX's banded decode (the out-of-memory retry) at each band-size candidate."""
-    from app.decoders.flux import decode as flux_decode
-    from app.decoders.flux import fast as flux_fast
+    from app.families.flux.decoder import decode as flux_decode
+    from app.families.flux.decoder import fast as flux_fast
     from bench import flux as flux_bench
 
     ours, _ = flux_bench.build() if not quick else (None, None)

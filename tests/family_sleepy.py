@@ -10,8 +10,8 @@ from typing import Any
 
 from torch import Tensor
 
-from app.decoders.flux import Decoder as FluxDecoder
-from app.decoders.flux import init_synthetic  # noqa: F401  (the family's baker)
+from app.families.flux.decoder import Decoder as FluxDecoder
+from app.families.flux.decoder import init_synthetic  # noqa: F401  (the family's baker)
 
 
 class Decoder(FluxDecoder):

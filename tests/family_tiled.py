@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app.decoders import tiling
-from app.decoders.hunyuan_video import Decoder as HunyuanVideoDecoder
-from app.decoders.hunyuan_video import init_synthetic  # noqa: F401  (the family's baker)
+from app.families import tiling
+from app.families.hunyuan_video.decoder import Decoder as HunyuanVideoDecoder
+from app.families.hunyuan_video.decoder import init_synthetic  # noqa: F401  (the family's baker)
 
 
 class Decoder(HunyuanVideoDecoder):

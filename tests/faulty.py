@@ -40,8 +40,8 @@ import requests
 import torch
 from torch import Tensor, nn
 
-from app.decoders import FAMILIES
-from app.decoders.base import VAEDecoder
+from app.families import FAMILIES
+from app.families.decoder import VAEDecoder
 from app.store import write_model
 from tests.live import free_port
 

@@ -19,7 +19,7 @@ import torch
 import uvicorn
 
 from app.config import Settings
-from app.decoders import family_module
+from app.families import family
 from app.http import create_app
 from app.store import write_model
 
@@ -54,12 +54,12 @@ TINY_FLUX = {
 }
 
 
-def bake(store: Path, family: str, name: str, config: dict[str, Any], seed: int = 0) -> None:
+def bake(store: Path, family_key: str, name: str, config: dict[str, Any], seed: int = 0) -> None:
     """Write one seeded model into a store, as `python -m app bake` would."""
-    module = family_module(family)
-    decoder = module.Decoder(config)
-    module.init_synthetic(decoder, torch.Generator().manual_seed(seed))
-    write_model(store, name, family, config, decoder.state_dict(), source="test", dtype="float32")
+    part = family(family_key).decoder
+    decoder = part.module(config)
+    part.init_synthetic(decoder, torch.Generator().manual_seed(seed))
+    write_model(store, name, family_key, config, decoder.state_dict(), source="test", dtype="float32")
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from app.decoders.taesd.model import DEFAULTS, Block
+from app.families.taesd.decoder.model import DEFAULTS, Block
 
 
 def _layer(entry: dict[str, Tensor], first_or_last: bool) -> nn.Module:

@@ -99,7 +99,7 @@ def test_family_rows_build_their_setups():
     setup, and LTX's meta-device build on a small config, equal to a plain build."""
     import torch
 
-    from app.decoders import ltx
+    from app.families.ltx import decoder as ltx
     from bench import ltx as ltx_bench
 
     table = importlib.import_module("bench.table")
@@ -121,7 +121,7 @@ def test_family_rows_build_their_setups():
 def test_own_bytes_counts_what_a_served_copy_adds():
     from torch import nn
 
-    from app.decoders import winograd
+    from app.families import winograd
     from bench.common import own_bytes
 
     reference = nn.Conv2d(128, 128, 3, padding=1)

@@ -37,7 +37,7 @@ def latent(*shape: int, seed: int = 0) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def video_server(tmp_path_factory) -> Iterator[str]:
-    from app.decoders import minimax_h3
+    from app.families.minimax_h3 import decoder as minimax_h3
 
     store = tmp_path_factory.mktemp("video-store")
     bake(store, "minimax-h3", "video-tiny", minimax_h3.SYNTHETIC["minimax-h3-tiny"])
@@ -141,7 +141,7 @@ def test_bad_latent_in_process(files, flux_store, capsys):
 
 
 def test_video_in_process_and_through_the_service(video_server, tmp_path, capsys):
-    from app.decoders import minimax_h3
+    from app.families.minimax_h3 import decoder as minimax_h3
 
     store = tmp_path / "store"
     bake(store, "minimax-h3", "video-tiny", minimax_h3.SYNTHETIC["minimax-h3-tiny"])
@@ -179,7 +179,7 @@ def test_the_local_mp4_encoder_runs_with_the_bounded_encoder_threads(tmp_path, m
     (the real ffmpeg runs; its command line is recorded on the way)."""
     import subprocess as real_subprocess
 
-    from app.decoders import minimax_h3
+    from app.families.minimax_h3 import decoder as minimax_h3
     from app.media import mp4
 
     store = tmp_path / "store"

@@ -19,11 +19,13 @@ from PIL import Image
 from safetensors.numpy import load_file
 
 from app.cli import main
-from app.decoders import flux as flux_decoder
-from app.decoders import wan as wan_decoder
-from app.decoders.ops import cosine
-from app.encoders import flux, taesd, wan
-from app.encoders.flux.model import ENCODER_CONFIG
+from app.families.flux import decoder as flux_decoder
+from app.families.wan import decoder as wan_decoder
+from app.families.ops import cosine
+from app.families.flux import encoder as flux
+from app.families.taesd import encoder as taesd
+from app.families.wan import encoder as wan
+from app.families.flux.encoder.model import ENCODER_CONFIG
 from app.store import write_model
 from tests.conftest import ROOT
 from tests.live import TINY_FLUX, bake, live_server

@@ -146,7 +146,7 @@ def _tiny_diffusers_vae(folder: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from app.decoders import family_module
+    from app.families import family_module
     from tests.live import TINY_FLUX
 
     flux = family_module("flux")

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from app.decoders import ltx, minimax_h3, wan
-from app.decoders.ltx import decode as ltx_decode
-from app.decoders.minimax_h3 import decode as mm_decode
-from app.decoders.wan import decode as wan_decode
+from app.families.ltx import decoder as ltx
+
+from app.families.minimax_h3 import decoder as minimax_h3
+
+from app.families.wan import decoder as wan
+from app.families.ltx.decoder import decode as ltx_decode
+from app.families.minimax_h3.decoder import decode as mm_decode
+from app.families.wan.decoder import decode as wan_decode
 from app.runtime import modes
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -25,8 +25,8 @@ import requests
 import torch
 from PIL import Image
 
-from app.decoders import family_module
-from app.decoders.ops import cosine
+from app.families import family_module
+from app.families.ops import cosine
 from app.encoders import encoder_module
 from app.store import load_encoder, read_manifest, write_model
 from tests.conftest import SHARED, shared_path
@@ -70,8 +70,8 @@ def _write(store: Path, name: str, family: str, config: dict, with_encoder: bool
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
-    from app.decoders.ltx.synthetic import SYNTHETIC as LTX_DECODERS
-    from app.encoders.ltx.synthetic import SYNTHETIC as LTX_ENCODERS
+    from app.families.ltx.decoder.synthetic import SYNTHETIC as LTX_DECODERS
+    from app.families.ltx.encoder.synthetic import SYNTHETIC as LTX_ENCODERS
 
     store = tmp_path_factory.mktemp("encode-store")
     _write(store, "flux-enc", "flux", FLUX_TINY, True)

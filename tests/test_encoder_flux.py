@@ -9,8 +9,9 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderKLFlux2, Flux2Pipeline
 from safetensors.torch import save_file
 
-from app.decoders import flux as flux_decoders
-from app.encoders import encoder_module, flux
+from app.families.flux import decoder as flux_decoders
+from app.encoders import encoder_module
+from app.families.flux import encoder as flux
 from tests.helpers import cosine
 
 SMALL = dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8)

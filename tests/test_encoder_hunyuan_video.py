@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLHunyuanVideo
 
-from app.encoders import hunyuan_video
+from app.families.hunyuan_video import encoder as hunyuan_video
 from tests import helpers
 from tests.helpers import check_moments, reference_dist, rgb_video
 

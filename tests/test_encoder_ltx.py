@@ -9,7 +9,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLLTX2Video, AutoencoderKLLTXVideo
 
-from app.encoders import ltx
+from app.families.ltx import encoder as ltx
 from tests import helpers
 from tests.helpers import check_moments, reference_dist, rgb_video
 

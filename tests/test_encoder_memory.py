@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from app.encoders import encoder_module
-from app.encoders.attention import attend
+from app.families.attention import attend
 
 F32, BF16 = torch.float32, torch.bfloat16
 WAN22 = {

@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLMiniMaxH3
 
-from app.encoders import minimax_h3
+from app.families.minimax_h3 import encoder as minimax_h3
 from tests import helpers
 from tests.helpers import check_moments, reference_dist, rgb_video
 

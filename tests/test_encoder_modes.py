@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from app.decoders.ops import cosine
+from app.families.ops import cosine
 from app.encoders import encoder_module
 from app.runtime import encoders, modes
 
@@ -94,7 +94,7 @@ def test_a_candidate_below_the_gate_is_not_served():
 
 
 def _store(folder):
-    from app.decoders import family_module
+    from app.families import family_module
     from app.store import write_model
 
     config = next(iter(TAESD.SYNTHETIC.values()))

@@ -13,8 +13,8 @@ from diffusers import AutoencoderTiny
 from PIL import Image
 from safetensors.torch import save_file
 
-from app.decoders import taesd as taesd_decoders
-from app.encoders import taesd
+from app.families.taesd import decoder as taesd_decoders
+from app.families.taesd import encoder as taesd
 from tests.helpers import cosine, psnr
 from tests.taef2_encoder import load_encoder
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 
-from app.encoders import wan
+from app.families.wan import encoder as wan
 from tests import helpers
 from tests.helpers import check_moments, reference_dist, rgb_video
 

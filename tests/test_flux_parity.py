@@ -6,8 +6,10 @@ import pytest
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLFlux2
 
-from app.decoders import flux, ops
-from app.decoders.flux.model import ResnetBlock
+from app.families import ops
+
+from app.families.flux import decoder as flux
+from app.families.flux.decoder.model import ResnetBlock
 from tests.helpers import cosine
 
 SMALL = dict(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=8)

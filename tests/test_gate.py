@@ -12,7 +12,7 @@ import requests
 import torch
 
 from app.config import Settings
-from app.decoders import family_module
+from app.families import family_module
 from app.protocol.request import DecodeRequest, Output
 from app.runtime import Runtime, gate, modes
 from app.store import load_model
@@ -146,7 +146,7 @@ def test_every_family_builds_a_bf16_copy_that_passes_every_gate_check(family, na
     module.init_synthetic(reference, torch.Generator().manual_seed(0))
     reference.eval().requires_grad_(False)
     fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.bfloat16))
-    report = gate.run(fast, gate.Probes(reference))
+    report = gate.run(fast, gate.probes_for(reference))
     expected = {"batch1", "batch2", "denormalized"} | ({"tiled"} if fast.supports_tiling else set())
     assert {c.name for c in report.checks} == expected
     assert report.passed(0.9999) and report.cosine < 1.0, report.describe()
@@ -210,7 +210,7 @@ class _Native384(family_module("taesd").Decoder):
 
 def test_the_full_resolution_check_decodes_the_native_size_against_float32():
     reference = _taesd(_Native384)
-    probes = gate.Probes(reference, full_on=torch.device("cpu"))
+    probes = gate.probes_for(reference, full_on=torch.device("cpu"))
     assert tuple(probes.full.shape) == (1, reference.latent_channels, 384 // 8, 320 // 8)
     fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.bfloat16))
     report = gate.run(fast, probes)
@@ -222,8 +222,8 @@ def test_the_full_resolution_check_decodes_the_native_size_against_float32():
 def test_a_fast_path_wrong_only_at_full_resolution_fails_the_gate():
     reference = _taesd(_WrongWhenLarge)
     fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.float32))
-    assert gate.run(fast, gate.Probes(reference)).passed(0.9999)  # the probes miss it
-    report = gate.run(fast, gate.Probes(reference, full_on=torch.device("cpu")))
+    assert gate.run(fast, gate.probes_for(reference)).passed(0.9999)  # the probes miss it
+    report = gate.run(fast, gate.probes_for(reference, full_on=torch.device("cpu")))
     assert not report.passed(0.9999)
     assert min(report.checks, key=lambda c: c.cosine).name == "full"
 
@@ -231,7 +231,7 @@ def test_a_fast_path_wrong_only_at_full_resolution_fails_the_gate():
 def test_the_full_resolution_check_is_skipped_where_the_device_cannot_hold_it(monkeypatch):
     monkeypatch.setattr(gate.devices, "memory_budget", lambda device, cap=0: 1 << 20)
     reference = _taesd(_Native384)
-    probes = gate.Probes(reference, full_on=torch.device("cpu"))
+    probes = gate.probes_for(reference, full_on=torch.device("cpu"))
     fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.bfloat16))
     report = gate.run(fast, probes)
     assert "full" not in {c.name for c in report.checks}

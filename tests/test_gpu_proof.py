@@ -46,7 +46,7 @@ def test_kernel_profile_accounts_a_decode_by_kind_and_renders():
     """The profile section's accounting, run on the CPU (aten ops stand in for kernels)."""
     import torch
 
-    from app.decoders import flux
+    from app.families.flux import decoder as flux
     from tests.live import TINY_FLUX
 
     spec = importlib.util.spec_from_file_location("gpu_proof", ROOT / "scripts" / "gpu_proof.py")

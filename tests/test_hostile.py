@@ -28,7 +28,7 @@ from tests.live import TINY_FLUX, bake, live_server
 
 def flux_tiny_work(side: int) -> int:
     """flux-tiny's own working-memory estimate for a [1,16,side,side] latent in float32."""
-    from app.decoders import family_module
+    from app.families import family_module
 
     decoder = family_module("flux").Decoder(TINY_FLUX["flux-tiny"])
     return decoder.working_bytes((1, 16, side, side), 4)
@@ -46,7 +46,7 @@ def store(tmp_path_factory) -> Path:
     with faulty.registered():
         faulty.bake(store, "faulty-video", video=True)
     # imported from a host path: /models must not show it
-    from app.decoders import family_module
+    from app.families import family_module
 
     decoder = family_module("flux").Decoder(TINY_FLUX["flux-tiny"])
     state = decoder.state_dict()
@@ -111,7 +111,7 @@ def test_a_decode_that_needs_more_working_memory_than_the_cap_is_refused(server)
 def meta_geometry(family: str, config: dict) -> ModelGeometry:
     """A full-size decoder's geometry and memory estimate, built on the meta device (its
     config, not its weights)."""
-    from app.decoders import family_module
+    from app.families import family_module
 
     with torch.device("meta"):
         decoder = family_module(family).Decoder(config)
@@ -121,7 +121,7 @@ def meta_geometry(family: str, config: dict) -> ModelGeometry:
 def test_the_default_caps_refuse_the_attacks_ltx_request_and_keep_ordinary_ones():
     """[1,128,17,32,32] -> 129 frames of 1024x1024 as float32: 1.62 GB; refused from the
     query, with the server's defaults. A 121-frame 768x512 video still decodes."""
-    from app.decoders.ltx.model import DEFAULTS
+    from app.families.ltx.decoder.model import DEFAULTS
     from app.protocol.shapes import check_declared
 
     geo, limits = meta_geometry("ltx", DEFAULTS), Limits()
@@ -145,7 +145,7 @@ def test_the_default_caps_refuse_the_attacks_ltx_request_and_keep_ordinary_ones(
 
 
 def test_the_default_decoder_memory_cap_admits_one_2048_flux_image_not_three():
-    from app.decoders.flux.model import FLUX1_CONFIG
+    from app.families.flux.decoder.model import FLUX1_CONFIG
     from app.protocol.shapes import check_declared
 
     geo, limits = meta_geometry("flux", FLUX1_CONFIG), Limits()

@@ -20,9 +20,11 @@ import torch
 from diffusers import AutoencoderKLHunyuanVideo
 from safetensors.torch import save_file
 
-from app.decoders import family_module, hunyuan_video
-from app.decoders.hunyuan_video import fast
-from app.decoders.hunyuan_video.model import Upsampler
+from app.families import family_module
+
+from app.families.hunyuan_video import decoder as hunyuan_video
+from app.families.hunyuan_video.decoder import fast
+from app.families.hunyuan_video.decoder.model import Upsampler
 from app.runtime import modes
 from app.store import load_model
 from tests import helpers

@@ -1,6 +1,6 @@
 """The package's import layout (docs/decoders.md): no import circle anywhere under ``app/``,
 and every decoder family's ``model.py`` imports nothing of the service but
-``app.decoders.ops``.
+``app.families.ops``.
 
 The graph is read from the source (the AST), not by importing: module-level ``import`` /
 ``from`` statements of ``app.*`` (those under ``if TYPE_CHECKING:`` included: a type-only
@@ -105,11 +105,11 @@ def test_the_checker_sees_a_circle() -> None:
 
 
 def test_family_models_import_only_ops() -> None:
-    from app.decoders import FAMILIES
+    from app.families import FAMILIES
 
     for package in FAMILIES.values():
         path = APP.parent / Path(*package.split(".")) / "model.py"
-        imports = module_level_imports(path) - {"app.decoders.ops"}
+        imports = module_level_imports(path) - {"app.families.ops"}
         assert not imports, f"{path}: imports {sorted(imports)}"
 
 
@@ -118,8 +118,8 @@ def test_every_family_follows_the_template() -> None:
     ``init_synthetic`` (from ``synthetic.py``); ``Decoder`` has a ``forward`` of its own."""
     import importlib
 
-    from app.decoders import FAMILIES
-    from app.decoders.base import VAEDecoder
+    from app.families import FAMILIES
+    from app.families.decoder import VAEDecoder
 
     for package in FAMILIES.values():
         module = importlib.import_module(package)

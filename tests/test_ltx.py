@@ -12,9 +12,9 @@ from diffusers.loaders.single_file_utils import convert_ltx_vae_checkpoint_to_di
 from diffusers.pipelines.ltx.pipeline_ltx import LTXPipeline
 from safetensors.torch import save_file
 
-from app.decoders import ltx
-from app.decoders.ltx.model import decoder_spec
-from app.decoders.ops import WEIGHT_HEAVY, conv3d
+from app.families.ltx import decoder as ltx
+from app.families.ltx.decoder.model import decoder_spec
+from app.families.ops import WEIGHT_HEAVY, conv3d
 from tests import helpers
 from tests.helpers import decoder_state, latent, report, seeded, with_stats
 

@@ -12,8 +12,8 @@ from diffusers.loaders.single_file_utils import convert_ltx2_vae_to_diffusers
 from diffusers.pipelines.ltx2.pipeline_ltx2 import LTX2Pipeline
 from safetensors.torch import save_file
 
-from app.decoders import ltx
-from app.decoders.ltx.ltx2 import ltx2_spec
+from app.families.ltx import decoder as ltx
+from app.families.ltx.decoder.ltx2 import ltx2_spec
 from tests import helpers
 from tests.helpers import decoder_state, latent, report, seeded, with_stats
 

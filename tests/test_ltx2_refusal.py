@@ -16,7 +16,7 @@ from diffusers import AutoencoderKLLTX2Video
 from safetensors.torch import save_file
 
 from app.cli import main
-from app.decoders import ltx
+from app.families.ltx import decoder as ltx
 from app.store import load_model
 from tests.helpers import seeded
 from tests.test_ltx2 import AUDIO_PARTS, lightricks_file

@@ -22,8 +22,8 @@ import requests
 import torch
 from PIL import Image
 
-from app.decoders import family_module
-from app.decoders.ops import cosine
+from app.families import family_module
+from app.families.ops import cosine
 from app.encoders import encoder_module
 from app.store import load_encoder, read_manifest, write_model
 from tests.live import live_server
@@ -50,8 +50,8 @@ def _ffmpeg() -> str:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     """flux-enc (an image encoder) and ltx-tiny (a video encoder), seeded."""
-    from app.decoders.ltx.synthetic import SYNTHETIC as LTX_DECODERS
-    from app.encoders.ltx.synthetic import SYNTHETIC as LTX_ENCODERS
+    from app.families.ltx.decoder.synthetic import SYNTHETIC as LTX_DECODERS
+    from app.families.ltx.encoder.synthetic import SYNTHETIC as LTX_ENCODERS
 
     store = tmp_path_factory.mktemp("media-store")
     for name, family, dec_config, enc_config in (

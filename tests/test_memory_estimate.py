@@ -13,11 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from app.decoders import family_module, hunyuan_video, wan
-from app.decoders.flux.model import FLUX1_CONFIG
-from app.decoders.ltx import ltx2
-from app.decoders.ltx.model import DEFAULTS as LTX_DEFAULTS
-from app.decoders.minimax_h3.model import DEFAULTS as MINIMAX_DEFAULTS
+from app.families import family_module
+
+from app.families.hunyuan_video import decoder as hunyuan_video
+
+from app.families.wan import decoder as wan
+from app.families.flux.decoder.model import FLUX1_CONFIG
+from app.families.ltx.decoder import ltx2
+from app.families.ltx.decoder.model import DEFAULTS as LTX_DEFAULTS
+from app.families.minimax_h3.decoder.model import DEFAULTS as MINIMAX_DEFAULTS
 from bench.meta_memory import live_peak
 
 LTX_091 = {

@@ -12,10 +12,10 @@ from diffusers import AutoencoderKLMiniMaxH3
 from safetensors.torch import save_file
 from torch import nn
 
-from app.decoders import minimax_h3 as mm
-from app.decoders.minimax_h3 import fast as mm_fast
-from app.decoders.minimax_h3 import schedule
-from app.decoders.minimax_h3.convert import config_from_diffusers
+from app.families.minimax_h3 import decoder as mm
+from app.families.minimax_h3.decoder import fast as mm_fast
+from app.families.minimax_h3.decoder import schedule
+from app.families.minimax_h3.decoder.convert import config_from_diffusers
 from app.runtime import modes
 from app.telemetry import timing
 from app.telemetry.timing import PhaseTimer

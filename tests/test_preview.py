@@ -88,7 +88,7 @@ def test_flux2_preview_correlates_with_the_real_decode(photo):
     weights = SHARED / "weights" / "taef2"
     if not (weights / "taef2_decoder.pth").exists():
         pytest.skip("../shared/weights/taef2 is absent (a user's clone has none)")
-    from app.decoders import taesd
+    from app.families.taesd import decoder as taesd
     from tests.taef2_encoder import load_encoder
 
     config, sd = taesd.convert(weights / "taef2_decoder.pth")
@@ -121,7 +121,7 @@ EXPECTED_FORMAT = {  # the default store's synthetic models (their real configs'
 
 
 def test_each_served_family_maps_to_its_published_format_or_none():
-    from app.decoders import FAMILIES, family_module
+    from app.families import FAMILIES, family_module
     from app.media.preview import preview_format
 
     seen = {}

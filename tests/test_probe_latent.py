@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from app.decoders import FAMILIES, family_module, winograd
-from app.decoders.flux.model import FLUX1_CONFIG
-from app.decoders.ltx import streaming
+from app.families import FAMILIES, family_module, winograd
+from app.families.flux.decoder.model import FLUX1_CONFIG
+from app.families.ltx.decoder import streaming
 
 
 def on_meta(family: str, config: dict[str, Any]) -> Any:

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app.decoders.ltx import ltx2
-from app.decoders.minimax_h3.model import DEFAULTS as MINIMAX_DEFAULTS
+from app.families.ltx.decoder import ltx2
+from app.families.minimax_h3.decoder.model import DEFAULTS as MINIMAX_DEFAULTS
 from app.runtime.runner import PLANNING_SHARE, Runner
 from app.telemetry.metrics import Metrics
 from tests.test_memory_estimate import CASES, WAN_21, latent_shape, served_on_meta

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, safe_open, save_file
 
 from app.config import Settings
-from app.decoders import FAMILIES, hunyuan_video, tiling
+from app.families import FAMILIES, tiling
+from app.families.hunyuan_video import decoder as hunyuan_video
 from app.protocol.request import DecodeRequest, Output
 from app.runtime import Runtime, compiled, gate, references, selection
 from app.store import entry_dir, load_model
@@ -35,7 +36,7 @@ def _runtime(store, name, **settings) -> Runtime:
 
 def _fresh_expected(store, name) -> dict[str, torch.Tensor]:
     _, decoder = load_model(store, name)
-    return gate.Probes(decoder).all_expected()
+    return gate.probes_for(decoder).all_expected()
 
 
 @pytest.fixture
@@ -112,7 +113,7 @@ def test_a_tampered_reference_fails_closed(store, caplog):
     model = _runtime(store, "flux-tiny", dtype="bfloat16").models["flux-tiny"]
     forged = {k: v for k, v in load_file(str(path)).items()}
     forged["plain"] = (
-        gate.decode_plain(model.fast, gate.Probes(model.reference)).float().contiguous()
+        gate.probes_for(model.reference).run_plain(model.fast).float().contiguous()
     )
     _rewrite(path, forged)
     with caplog.at_level(logging.INFO, "app.runtime.references"):
@@ -122,7 +123,7 @@ def test_a_tampered_reference_fails_closed(store, caplog):
     assert again.parity_cosine == model.parity_cosine < 1.0  # measured against the recomputed
     assert (
         references.read(
-            path.parent, references.reference_key(again.manifest, gate.Probes(again.reference))
+            path.parent, references.reference_key(again.manifest, gate.probes_for(again.reference))
         )[1]
         == "valid"
     )
@@ -249,7 +250,7 @@ def test_the_tiled_check_decodes_more_than_one_tile(tmp_path, monkeypatch):
     config = hunyuan_video.SYNTHETIC["hunyuan-video-tiny"]
     bake(tmp_path, "tiled-hunyuan", "tiled", config)
     model = _runtime(tmp_path, "tiled", dtype="bfloat16").models["tiled"]
-    probes = gate.Probes(model.reference)
+    probes = gate.probes_for(model.reference)
     assert probes.tiled is not None
     assert tiling.sample_grid(probes.tiled, {}, model.reference.spatial_scale)
     assert len(tiling.sample_grid(probes.tiled, {}, 8).tiles) == 4

@@ -170,7 +170,7 @@ def test_bad_entries_are_named(tmp_path, checkpoints):
 UNPRIVILEGED_LOADER = """
 import json, os, sys
 import safetensors.torch  # noqa: F401  (imported while still root)
-from app.decoders import FAMILIES, family_module
+from app.families import FAMILIES, family_module
 from app.store import list_models, load_model
 for family in FAMILIES:
     family_module(family)

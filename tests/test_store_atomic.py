@@ -22,7 +22,7 @@ import requests
 import torch
 from diffusers import AutoencoderKL
 
-from app.decoders import family_module
+from app.families import family_module
 from app.store import (
     ENTRIES,
     PAUSE_ENV,
@@ -278,7 +278,7 @@ def test_bake_never_takes_a_killed_or_corrupt_entry_for_done(tmp_path):
 ENCODER_WRITER = """
 import sys
 import app.encoders
-from app.decoders import family_module
+from app.families import family_module
 app.encoders.ENCODERS["flux"] = "tests.store_encoder"
 from app.store import write_model
 from safetensors.torch import load_file

@@ -13,7 +13,9 @@ from diffusers import AutoencoderTiny
 from PIL import Image
 from safetensors.torch import save_file
 
-from app.decoders import ops, taesd
+from app.families import ops
+
+from app.families.taesd import decoder as taesd
 from app.runtime import modes
 from app.telemetry import timing
 from app.telemetry.timing import PhaseTimer

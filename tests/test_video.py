@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.decoders import ltx
+from app.families.ltx import decoder as ltx
 from app.media import mp4
 
 

@@ -17,7 +17,9 @@ from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 from safetensors.torch import save_file
 
-from app.decoders import ops, wan
+from app.families import ops
+
+from app.families.wan import decoder as wan
 from app.runtime import modes
 from tests import helpers
 from tests.helpers import check, cosine, import_pair, seeded, synthetic_twins

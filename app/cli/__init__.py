@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     bake.set_defaults(run=_bake)
 
     imp = sub.add_parser("import", help="convert a checkpoint into the store")
-    from app.decoders import FAMILIES  # names only: no torch
+    from app.families import keys  # names only: no torch
 
-    imp.add_argument("family", help=" | ".join(FAMILIES))
+    imp.add_argument("family", help=" | ".join(keys()))
     imp.add_argument("source", type=Path, help="diffusers folder or single checkpoint file")
     imp.add_argument("--name", required=True)
     imp.add_argument("--models-dir", default=DEFAULT_STORE)
@@ -129,118 +129,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bake(args: argparse.Namespace) -> int:
-    import torch
+    from app.cli.store import bake
 
-    from app.decoders import FAMILIES, family_module
-    from app.runtime.references import store_reference
-    from app.store import write_model
-
-    store = Path(args.models_dir)
-    for family in FAMILIES:
-        module = family_module(family)
-        for name, config in getattr(module, "SYNTHETIC", {}).items():
-            if (args.only and name not in args.only) or (_complete(store, name) and not args.force):
-                continue
-            decoder = module.Decoder(config)
-            module.init_synthetic(decoder, torch.Generator().manual_seed(0))
-            encoder_config, encoder_state = _synthetic_encoder(family, name)
-            write_model(
-                store,
-                name,
-                family,
-                config,
-                decoder.state_dict(),
-                source="synthetic:seed=0",
-                dtype="float32",
-                encoder_state=encoder_state,
-                encoder_config=encoder_config,
-            )
-            parts = "decoder+encoder" if encoder_state is not None else "decoder"
-            ref = "" if args.no_references else f", gate reference {store_reference(store, name)}"
-            print(f"baked {name} ({family}, {parts}) into {args.models_dir}/{name}{ref}")
-    return 0
-
-
-def _synthetic_encoder(family: str, name: str) -> tuple[dict | None, dict | None]:
-    """The seeded encoder of a synthetic entry, when its family's encoder package has one of
-    that name (``SYNTHETIC``); else (None, None): the entry is decoder-only."""
-    import torch
-
-    from app.encoders import encoder_module
-
-    try:
-        module = encoder_module(family)
-    except KeyError:
-        return None, None
-    config = getattr(module, "SYNTHETIC", {}).get(name)
-    if config is None:
-        return None, None
-    encoder = module.Encoder(config)
-    module.init_synthetic(encoder, torch.Generator().manual_seed(1))
-    return dict(config), encoder.state_dict()
-
-
-def _complete(store: Path, name: str) -> bool:
-    """An entry bake may skip: every part present and matching the manifest's hashes."""
-    from app.store import StoreError, verify_entry
-
-    if not (store / name).exists():
-        return False
-    try:
-        verify_entry(store, name)
-        return True
-    except StoreError as exc:
-        print(f"rebaking {name}: {exc}", file=sys.stderr)
-        return False
+    return bake(args)
 
 
 def _import(args: argparse.Namespace) -> int:
-    from app.decoders import family_module
-    from app.runtime.references import store_reference
-    from app.store import StoreError, write_model
+    from app.cli.store import import_checkpoint
 
-    config, state = family_module(args.family).convert(args.source)
-    encoder_config, encoder_state = _convert_encoder(args.family, args.source)
-    try:
-        manifest = write_model(
-            Path(args.models_dir),
-            args.name,
-            args.family,
-            config,
-            state,
-            source=str(args.source.resolve()),
-            dtype=args.dtype,
-            encoder_state=encoder_state,
-            encoder_config=encoder_config,
-        )
-    except StoreError as exc:
-        print(f"import refused: {exc}", file=sys.stderr)
-        return 2
-    store_reference(Path(args.models_dir), manifest.name)  # the gate's reference outputs
-    print(
-        f"imported {args.source} as {manifest.name} ({manifest.family}, {manifest.dtype}, "
-        f"parts {'+'.join(manifest.parts)}, sha256 {manifest.sha256[:12]})"
-    )
-    return 0
-
-
-def _convert_encoder(family: str, source: Path) -> tuple[dict | None, dict | None]:
-    """The checkpoint's encoder, when the family has an encoder package whose ``convert``
-    finds one (it returns ``(config, state)`` or None); else (None, None): decoder only."""
-    from app.encoders import encoder_module
-
-    try:
-        convert = getattr(encoder_module(family), "convert", None)
-    except KeyError:
-        return None, None
-    if not callable(convert):
-        return None, None
-    try:
-        found = convert(source)
-    except (ValueError, FileNotFoundError) as exc:  # no encoder in the checkpoint
-        print(f"no encoder imported: {exc}", file=sys.stderr)
-        return None, None
-    return found if found is not None else (None, None)
+    return import_checkpoint(args)
 
 
 def _decode(args: argparse.Namespace) -> int:

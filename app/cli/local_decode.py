@@ -113,7 +113,7 @@ def _decode(
     from app.media import write
     from app.protocol.request import Output
 
-    runtime, served = _load(models_dir, model, timer)
+    runtime, served = load_runtime(models_dir, model, timer)
     with timer.phase("parse"):
         request = _request(latent_path, {**params, **output}, runtime, served)
     frames = served.reference.frames_out
@@ -132,7 +132,7 @@ def _decode(
     else:
         decoded = runtime.runner.decode(served, request, timer)
     with timer.phase("encode"):
-        with _atomic(out) as f:
+        with atomic(out) as f:
             if request.output is Output.IMAGE:
                 f.write(write.encode_image(decoded[0], request.image_format, request.quality))
             else:
@@ -154,15 +154,16 @@ def _request(path: Path, query: dict[str, Any], runtime: Any, served: Any) -> An
     return asyncio.run(validate(head, served.geometry, limits, lambda limit: path.read_bytes()))
 
 
-def _load(store: Path, name: str, timer: Any) -> tuple[Any, Any]:
-    """The service's runtime for this one model: the exact float32 CPU path unless the
-    environment (``VAE_DEVICE``, ``VAE_DTYPE``) asks for another, gated as the service gates."""
+def load_runtime(store: Path, name: str, timer: Any, part: str = "decoder") -> tuple[Any, Any]:
+    """The service's runtime for this one model's ``part``: the exact float32 CPU path unless
+    the environment (``VAE_DEVICE``, ``VAE_DTYPE``) asks for another, gated as the service
+    gates (one candidate, the exact path, is served unmeasured)."""
     from app.config import Settings
     from app.runtime import Runtime
     from app.telemetry.metrics import Metrics
 
     exact = {} if os.environ.get("VAE_DTYPE") else {"dtype": "float32"}
-    settings = Settings(models_dir=store, models=name, **exact)
+    settings = Settings(models_dir=store, models=name, serve_encoders=part == "encoder", **exact)
     quiet = logging.getLogger("app.runtime")  # the service's startup lines are noise here
     level = quiet.level
     quiet.setLevel(logging.WARNING)
@@ -172,9 +173,11 @@ def _load(store: Path, name: str, timer: Any) -> tuple[Any, Any]:
             runtime.load_all()
     finally:
         quiet.setLevel(level)
-    if name not in runtime.models:
-        raise LocalDecodeError(runtime.errors.get(name) or f"model {name!r} did not load")
-    return runtime, runtime.models[name]
+    served = runtime.encoders if part == "encoder" else runtime.models
+    if name not in served:
+        why = runtime.encoder_errors.get(name) if part == "encoder" else None
+        raise LocalDecodeError(why or runtime.errors.get(name) or f"model {name!r} did not load")
+    return runtime, served[name]
 
 
 def _counted(
@@ -206,14 +209,14 @@ def _write_mp4(chunks: Iterator[Any], out: Path, fps: float, threads: int, timer
             yield from chunk.numpy()
 
     t0 = time.perf_counter()
-    with _atomic(out) as f:
+    with atomic(out) as f:
         for data in encode_mp4(frames(), fps, threads=threads):
             f.write(data)
     timer.add("encode", time.perf_counter() - t0 - waited)
 
 
 @contextmanager
-def _atomic(path: Path) -> Iterator[IO[bytes]]:
+def atomic(path: Path) -> Iterator[IO[bytes]]:
     """Write beside ``path`` and rename on success: a failed decode leaves no output file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:

@@ -1,33 +1,32 @@
 """``POST /encode``: head -> model -> its encoder -> validated request -> queue -> worker ->
 the latent (raw bytes with ``shape``/``dtype`` headers, safetensors or ``.npy``).
 
-The same path as a decode (app/http/decode.py): the event loop never encodes; the request is
-an ``EncodeJob`` on the decode worker's queue, with the same deadlines, refusals and JSON
-errors.
+The same path as a decode (app/http/decode.py, app/http/handling.py): the event loop never
+encodes; the request is a ``Job`` on the worker's queue, with the same deadlines, refusals and
+JSON errors. An MP4 body is read by the encoder window by window as it runs, never whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
-import logging
 
 import numpy as np
 import torch
 from fastapi import Request, Response
 
-from app.http.decode import _outcome, deadline, handled, read_body, resolve_model
+from app.http.decode import resolve_model
 from app.http.errors import runtime_error
+from app.http.handling import deadline, handled, outcome, read_body
 from app.http.serving import Serving
 from app.media import write
 from app.protocol import ProtocolError
 from app.protocol.encode import EncoderGeometry, parse_encode_head, validate_encode
 from app.protocol.request import EncodeRequest, LatentFormat
-from app.runtime import EncodeJob, Runtime, ServedEncoder
+from app.runtime import Job, Runtime, ServedPart
 from app.runtime.scheduler import DeviceLost, QueueFull, Stopped
 from app.telemetry.timing import PhaseTimer
 
-log = logging.getLogger("app.service")
 OUTPUT_LABEL = "latent"  # the output label of an encode's metrics (kind "tensor")
 
 
@@ -53,23 +52,30 @@ async def _encode(
             EncoderGeometry.of(served.active),
             model.limits(settings.limits()),
             read,
-            deadline=deadline(request.state.started, head, settings),  # type: ignore[arg-type]
+            deadline=deadline(request.state.started, head, settings),
             request_id=request.state.request_id,
         )
         request.state.shape = list(encode.pixels.shape)
-    job = EncodeJob(served, encode, timer)
     try:
-        serving.runtime.submit_encode(job)
-    except (QueueFull, Stopped, DeviceLost) as exc:
-        raise runtime_error(exc, model.name) from None
-    latent = await _outcome(request, job, job.future)  # type: ignore[arg-type]
+        latent = await _run(request, serving, Job(served, encode, timer))
+    finally:
+        if not isinstance(encode.pixels, torch.Tensor):
+            encode.pixels.close()  # an MP4 clip: its temporary file and its reader
     response = await asyncio.to_thread(latent_response, latent, encode, timer)
     response.headers["x-model"] = model.name
     response.headers["x-output"] = OUTPUT_LABEL
     return response
 
 
-def served_encoder(runtime: Runtime, name: str) -> ServedEncoder:
+async def _run(request: Request, serving: Serving, job: Job) -> torch.Tensor:
+    try:
+        serving.runtime.submit(job)
+    except (QueueFull, Stopped, DeviceLost) as exc:
+        raise runtime_error(exc, job.part.name, job.part.part) from None
+    return await outcome(request, job, job.future)
+
+
+def served_encoder(runtime: Runtime, name: str) -> ServedPart:
     """The model's served encoder; 404 for a decoder-only entry, 503 for one that failed."""
     if name in runtime.encoders:
         return runtime.encoders[name]

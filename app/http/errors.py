@@ -15,8 +15,7 @@ from starlette.types import Scope
 
 from app.protocol import ProtocolError, echo
 from app.runtime.device import is_oom
-from app.runtime.encoders import InvalidInput
-from app.runtime.runner import NonFiniteOutput, OutOfMemory
+from app.runtime.runner import InvalidInput, NonFiniteOutput, OutOfMemory
 from app.runtime.scheduler import DeadlineExceeded, DeviceLost, QueueFull, Stopped, StreamsFull
 
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
@@ -33,17 +32,17 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def runtime_error(exc: BaseException, model: str) -> ProtocolError:
-    """What a client is told when the runtime refuses or fails its decode (at submit or from
-    the worker): one wording per cause."""
+def runtime_error(exc: BaseException, model: str, part: str = "decoder") -> ProtocolError:
+    """What a client is told when the runtime refuses or fails its run (at submit or from the
+    worker): one wording per cause; ``part`` names the decoder or the encoder that ran."""
     if isinstance(exc, StreamsFull):  # a QueueFull: checked first
         return ProtocolError(
             429, f"the MP4 streams cap is reached: {exc}", "retry after Retry-After seconds"
         )
     if isinstance(exc, QueueFull):
-        return ProtocolError(429, "decode queue is full", "retry after Retry-After seconds")
+        return ProtocolError(429, "the queue is full", "retry after Retry-After seconds")
     if isinstance(exc, DeadlineExceeded):
-        return deadline_error(exc.waited)
+        return deadline_error(exc.waited, part)
     if isinstance(exc, Stopped):
         return ProtocolError(503, "the service is shutting down", ANOTHER_INSTANCE)
     if isinstance(exc, DeviceLost):
@@ -56,15 +55,16 @@ def runtime_error(exc: BaseException, model: str) -> ProtocolError:
         return ProtocolError(503, f"out of memory: {exc}"[:300], "a smaller latent, or retry")
     return ProtocolError(  # a server fault, not bad input: 503, and the worker goes on
         503,
-        f"decoder of model {model!r} failed: {type(exc).__name__}: {str(exc)[:200]}",
+        f"{part} of model {model!r} failed: {type(exc).__name__}: {str(exc)[:200]}",
         "retry later; the request id is in X-Request-Id",
     )
 
 
-def deadline_error(waited: float) -> ProtocolError:
+def deadline_error(waited: float, part: str = "decoder") -> ProtocolError:
+    run = "encode" if part == "encoder" else "decode"
     return ProtocolError(
         503,
-        f"deadline exceeded: the decode could not start within the request's timeout "
+        f"deadline exceeded: the {run} could not start within the request's timeout "
         f"(queued {waited:.2f} s)",
         "a longer X-Request-Timeout, or retry after Retry-After seconds",
     )

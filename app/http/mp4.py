@@ -20,7 +20,7 @@ from app.http.streams import (
 )
 from app.runtime import Job
 
-__all__ = ["JobStream", "StreamAborted", "_mp4_response"]
+__all__ = ["JobStream", "StreamAborted", "mp4_response"]
 
 
 class JobStream(StreamingResponse):
@@ -66,7 +66,7 @@ class JobStream(StreamingResponse):
         try:
             await super().__call__(scope, watched, send_or_drop)
         except StreamAborted as exc:
-            abort_warning(scope, self.job.model.name, str(exc))
+            abort_warning(scope, self.job.part.name, str(exc))
             raise
         finally:
             cut.cancel()
@@ -76,7 +76,7 @@ class JobStream(StreamingResponse):
                 self.on_close(self.sent)
 
 
-def _mp4_response(job: Job, fps: float, model: str, stall_s: float) -> JobStream:
+def mp4_response(job: Job, fps: float, model: str, stall_s: float) -> JobStream:
     """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes."""
     headers = {"x-model": model, "x-output": "mp4"}
     return JobStream(Mp4Stream(job, fps), stall_s, media_type="video/mp4", headers=headers)

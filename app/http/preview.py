@@ -8,16 +8,28 @@ import asyncio
 import torch
 from fastapi.responses import Response
 
+from app.families import family
 from app.media import write
-from app.media.preview import FORMATS, preview, preview_format
+from app.media.preview import FORMATS, preview
 from app.media.preview_factors import FACTORS
 from app.protocol import IMAGE_MIME, ProtocolError
 from app.protocol.request import DecodeRequest
-from app.runtime import ServedModel
+from app.runtime import ServedPart
 from app.telemetry.timing import PhaseTimer
 
+CONFIG_KEY = "preview_format"  # a manifest config's own choice, one of FORMATS
 
-def format_of(model: ServedModel) -> str:
+
+def preview_format(family_key: str, config: dict, latent_channels: int) -> str | None:
+    """The format whose factors preview a model's latents: the config's ``preview_format``,
+    else the family's own choice (its descriptor's ``preview``); None where nothing is
+    published (LTX-2, Wan 2.2, MiniMax-H3)."""
+    if config.get(CONFIG_KEY) is not None:
+        return str(config[CONFIG_KEY])
+    return family(family_key).preview(config, latent_channels)
+
+
+def format_of(model: ServedPart) -> str:
     """The published format that previews ``model``'s latents, or a 422 naming the ones."""
     decoder = model.reference
     channels = decoder.latent_channels

@@ -5,7 +5,8 @@ published per-format linear map plus bias (app/media/preview_factors.py), then `
 ``0..255`` as ComfyUI's ``preview_to_image`` does. The latent is the sampler's (the model's
 scaled space, before ``do_scaling``'s de-normalization): nothing here de-normalizes it. One
 small matmul: milliseconds on any CPU, at latent resolution (``scale`` repeats pixels to
-enlarge it). ``preview_format`` says which factors a served model's latents take.
+enlarge it). Which factors a served model's latents take is the family's choice
+(``app/http/preview.py``).
 """
 
 from __future__ import annotations
@@ -17,33 +18,6 @@ from torch import Tensor
 from app.media.preview_factors import FACTORS
 
 FORMATS = tuple(FACTORS)  # "sd1.5", "sdxl", "sd3", "flux1", "flux2", "ltxv", "wan2.1", ...
-
-
-# A decoder family's latent channels -> the published format of its latents. The flux
-# family's 4- and 16-channel VAEs are told apart by their scaling_factor (SDXL's, SD3's).
-_BY_CHANNELS: dict[str, dict[int, str]] = {
-    "flux": {4: "sd1.5", 16: "flux1", 32: "flux2"},
-    "taesd": {4: "sd1.5", 16: "flux1", 32: "flux2"},  # TAESD, TAEF1, TAEF2: same latents
-    "ltx": {128: "ltxv"},
-    "wan": {16: "wan2.1"},  # Wan 2.1 and Qwen-Image (ComfyUI previews both as Wan21)
-    "hunyuan-video": {16: "hunyuan-video"},
-}
-_BY_SCALING = {(4, 0.13025): "sdxl", (16, 1.5305): "sd3"}
-CONFIG_KEY = "preview_format"  # a manifest config's own choice, one of FORMATS
-
-
-def preview_format(family: str, config: dict, latent_channels: int) -> str | None:
-    """The format whose factors preview this model's latents: the config's ``preview_format``,
-    else the family's by latent channels; None where nothing is published (LTX-2, Wan 2.2,
-    MiniMax-H3)."""
-    if config.get(CONFIG_KEY) is not None:
-        return str(config[CONFIG_KEY])
-    if family == "ltx" and config.get("version") == "ltx2":
-        return None  # LTX-2's latent space is not LTX-Video's
-    scaling = config.get("scaling_factor")
-    if family == "flux" and (latent_channels, scaling) in _BY_SCALING:
-        return _BY_SCALING[latent_channels, scaling]
-    return _BY_CHANNELS.get(family, {}).get(latent_channels)
 
 
 def _linear_map(key: str, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:

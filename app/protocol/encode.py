@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from app.encoders.base import VAEEncoder
+from app.families.encoder import VAEEncoder
 from app.media import read as media_read
 from app.protocol import BodyReader
 from app.protocol.bodies import (

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from app.families.encoder import Clip
+
 if TYPE_CHECKING:
-    from app.decoders.base import VAEDecoder
+    from app.families.decoder import VAEDecoder
 
 
 class Output(enum.Enum):
@@ -95,6 +97,14 @@ class DecodeRequest:
         """Latents in the batch."""
         return self.latent.shape[0]
 
+    @property
+    def input(self) -> Tensor:
+        return self.latent
+
+    def with_input(self, latent: Tensor) -> DecodeRequest:
+        """The same request for other rows (a piece of a micro-batch)."""
+        return replace(self, latent=latent)
+
     def batch_key(self) -> tuple:
         """Requests with equal keys can share one decode (a micro-batch)."""
         return (
@@ -128,9 +138,10 @@ class EncodeScaling:
 @dataclass(frozen=True, eq=False)
 class EncodeRequest:
     """A validated encode: RGB pixels in [-1, 1], float32 on the CPU, ``[B,3,H,W]`` or
-    ``[B,3,T,H,W]``, and everything about its answer. Built by ``app.protocol.encode``."""
+    ``[B,3,T,H,W]`` (or a ``Clip`` of them), and everything about its answer. Built by
+    ``app.protocol.encode``."""
 
-    pixels: Tensor
+    pixels: Tensor | Clip
     scaling: EncodeScaling = field(default_factory=EncodeScaling)
     sample: bool = False  # a seeded sample of the distribution instead of its mean
     seed: int = 0
@@ -139,3 +150,26 @@ class EncodeRequest:
     deadline: float | None = None
     request_id: str = ""
     body_kind: str = "tensor"  # tensor | png | jpeg | webp | mp4: what was sent (the log)
+
+    @property
+    def rows(self) -> int:
+        """Images (or videos) in the batch."""
+        return self.pixels.shape[0]
+
+    @property
+    def video(self) -> bool:
+        return len(self.pixels.shape) == 5
+
+    @property
+    def input(self) -> Tensor | Clip:
+        return self.pixels
+
+    def with_input(self, pixels: Tensor) -> EncodeRequest:
+        """The same request for other rows (a piece of a micro-batch)."""
+        return replace(self, pixels=pixels)
+
+    def batch_key(self) -> tuple:
+        """Requests with equal keys can share one encode; a sample is drawn for its own request
+        (its seed's noise over its own latent), so it shares with none."""
+        own = id(self) if self.sample or not isinstance(self.pixels, Tensor) else None
+        return (tuple(self.pixels.shape[1:]), self.scaling, self.packed, own)

@@ -20,7 +20,7 @@ from app.protocol.params import WIRE_DTYPES, DecodeParams
 from app.protocol.request import Output
 
 if TYPE_CHECKING:
-    from app.decoders.base import VAEDecoder
+    from app.families.decoder import VAEDecoder
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 TENSOR_MIME = "tensor/binary"
@@ -147,7 +147,7 @@ def to_layout(tensor: Tensor, params: DecodeParams, geo: ModelGeometry) -> Tenso
     """Any accepted layout -> ``[B,C,H,W]`` (image) or ``[B,C,T,H,W]`` (video), checked."""
     shape = layout_shape(tensor.shape, params, geo)
     if _is_packed(tensor.ndim, params):
-        from app.decoders.ops import unpack_tokens
+        from app.families.ops import unpack_tokens
 
         return unpack_tokens(tensor, params.height, params.width, geo.spatial_scale)
     return tensor.reshape(shape)

@@ -1,6 +1,7 @@
-"""The decode runtime: a registry (load + gate), a runner (one decode, with its memory
-ladder) and a scheduler (queue, deadlines, micro-batching, the worker), held together by
-``Runtime``, which is what the HTTP service and the command line use."""
+"""The runtime: a registry (load + gate every part, decoder and encoder), a runner (one run of a
+part, with its memory ladder) and a scheduler (queue, deadlines, micro-batching, chunks, the
+worker), held together by ``Runtime``, which is what the HTTP service and the command line
+use."""
 
 from __future__ import annotations
 
@@ -8,16 +9,14 @@ import logging
 import re
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
 
 from app.config import Settings
 from app.protocol.request import DecodeRequest
 from app.runtime import compiled
-from app.runtime.encoders import EncodeJob, Policy, ServedEncoder, load_encoders
-from app.runtime.encoders import select as select_encoder
-from app.runtime.registry import Registry, ServedModel
+from app.runtime.parts import ServedPart
+from app.runtime.registry import Registry
 from app.runtime.runner import Runner
 from app.runtime.scheduler import Job, Scheduler
 from app.telemetry.metrics import Metrics
@@ -25,7 +24,7 @@ from app.telemetry.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime")
 
-__all__ = ["EncodeJob", "Job", "Runtime", "ServedEncoder", "ServedModel"]
+__all__ = ["Job", "Runtime", "ServedPart"]
 
 
 class Runtime:
@@ -49,14 +48,21 @@ class Runtime:
             max_streams=settings.streams_max,
         )
         self.on_device_lost: Callable[[str], None] = lambda reason: None
-        # store entry -> its served encoder (entries that hold one); why one is not served
-        self.encoders: dict[str, ServedEncoder] = {}
-        self.encoder_errors: dict[str, str] = {}
 
     # --- what the service reads -----------------------------------------------------------
     @property
-    def models(self) -> dict[str, ServedModel]:
+    def models(self) -> dict[str, ServedPart]:
+        """The served decoders, by model name."""
         return self.registry.models
+
+    @property
+    def encoders(self) -> dict[str, ServedPart]:
+        """The served encoders, by model name (entries that hold one)."""
+        return self.registry.encoders
+
+    @property
+    def encoder_errors(self) -> dict[str, str]:
+        return self.registry.encoder_errors
 
     @property
     def errors(self) -> dict[str, str]:
@@ -80,19 +86,17 @@ class Runtime:
 
     # --- lifecycle ------------------------------------------------------------------------
     def load_all(self) -> None:
-        """Load and gate every model (ready), then, while serving, measure the deferred models'
+        """Load and gate every part (ready), then, while serving, measure the deferred parts'
         modes (app/runtime/registry.select_pending) and warm up the configured shapes."""
         self.registry.loading = True
         try:
             self.registry.load_all()
-            self.load_encoders()
             self.warm_up()
         finally:
             self.registry.loading = False
         if self.registry.pending:
             self.registry.select_pending()
             self.warm_up()  # the winners' own first decodes
-        self.select_encoders()
         self.compile_warm_up_shapes()
 
     def start(self) -> None:
@@ -103,43 +107,6 @@ class Runtime:
 
     def submit(self, job: Job):
         return self.scheduler.submit(job)
-
-    def load_encoders(self) -> None:
-        """Load and gate the encoder of every served entry that holds one (unless
-        ``VAE_SERVE_ENCODERS=false``: then every encode is a 404, as for a decoder-only one)."""
-        if not self.settings.serve_encoders:
-            return
-        self.encoders, self.encoder_errors = load_encoders(
-            Path(self.settings.models_dir),
-            list(self.registry.models),
-            self.registry.device,
-            self.encoder_policy(),
-            self.settings.verify_weights,
-        )
-
-    def encoder_policy(self) -> Policy:
-        """The decoders' choice of modes (``VAE_DTYPE``, the gate, ``VAE_SELECT``) for the
-        encoders."""
-        return Policy(
-            self.settings.dtype,
-            self.settings.parity_min_cos,
-            self.settings.gate_repeats,
-            self.registry.select_after_ready(),
-        )
-
-    def select_encoders(self) -> None:
-        """Measure the modes of the encoders served exactly until now (after ready)."""
-        for served in self.encoders.values():
-            if served.selection != "pending":
-                continue
-            try:
-                select_encoder(served, self.encoder_policy())
-            except Exception as exc:  # the exact encoder keeps serving
-                served.selection = f"failed: {exc}"
-                log.error("encoder of %s: mode selection failed: %s", served.name, exc)
-
-    def submit_encode(self, job: EncodeJob):
-        return self.scheduler.submit_call(job)
 
     def warm_up(self) -> None:
         """Decode each ``VAE_WARMUP_SHAPES`` shape once on every model it fits, on the decode
@@ -183,7 +150,7 @@ class Runtime:
         self.on_device_lost(reason)
 
 
-def _fits(model: ServedModel, shape: tuple[int, ...]) -> bool:
+def _fits(model: ServedPart, shape: tuple[int, ...]) -> bool:
     video = model.reference.is_video
     return shape[1] == model.reference.latent_channels and (len(shape) == 5) == video
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from app.decoders.ops import cosine
+from app.families.ops import cosine
 from app.runtime import modes
 from app.runtime.gate import PROBE_SEED
-from app.runtime.registry import ServedModel
+from app.runtime.parts import ServedPart
 
 log = logging.getLogger("app.runtime.compiled")
 
@@ -37,7 +37,7 @@ compiler: Callable[..., Compiled] = torch.compile
 ARTIFACTS = "torch_compile_artifacts.bin"
 
 
-def eligible(model: ServedModel, setting: str = "auto") -> bool:
+def eligible(model: ServedPart, setting: str = "auto") -> bool:
     """Image decoders on their fast copy (video decoders stream chunk by chunk in Python):
     on a GPU (``VAE_COMPILE=auto``), or on any device (``on``)."""
     if setting == "off" or model.fallback or model.reference.is_video:
@@ -78,7 +78,7 @@ def save_cache(folder: Path | None) -> None:
 
 
 @torch.inference_mode()
-def compile_shapes(model: ServedModel, shapes: list[tuple[int, ...]], min_cos: float) -> None:
+def compile_shapes(model: ServedPart, shapes: list[tuple[int, ...]], min_cos: float) -> None:
     """Compile ``model``'s served decode for each shape and gate it against the float32 path;
     each that passes is swapped in (``model.compiled``) while eager decodes keep serving.
     Runs off the decode worker."""

@@ -10,18 +10,24 @@ check reports the cosine of the two outputs (flattened, float64) and the PSNR of
 images; the gate passes when the lowest untiled cosine reaches ``VAE_PARITY_MIN_COS``, and a
 tiled decode runs on the gated copy only if the tiled check reached it too (else on the exact
 path).
+
+An encoder is gated the same way (``EncoderProbes``): its copy's moments of a seeded probe
+image, alone and in a batch of 2 with a second one, against the exact encoder's.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from app.decoders.base import VAEDecoder
-from app.decoders.ops import cosine
+from app.families.decoder import VAEDecoder
+from app.families.encoder import VAEEncoder
+from app.families.ops import cosine
 from app.runtime import device as devices
 from app.runtime import modes
 
@@ -62,13 +68,58 @@ class GateReport:
 EXACT_REPORT = GateReport([Check("exact", 1.0, math.inf)])
 
 
-class Probes:
-    """The probe latents and the reference's outputs for them (the same expected outputs gate
-    every candidate mode): stored with the model (app/runtime/references.py), else computed."""
+class Probes(ABC):
+    """A part's probe inputs and the exact path's outputs for them (the same expected outputs
+    gate every candidate mode): stored with the model (app/runtime/references.py), else
+    computed. ``run_plain`` is the batch-1 check's run, the one the mode selection times."""
+
+    reference: nn.Module
+    tiled: Tensor | None = None  # the tiled check's input, where the part tiles
+
+    def __init__(self) -> None:
+        self._expected: dict[str, Tensor] = {}
+
+    @abstractmethod
+    def check_names(self) -> list[str]:
+        """The stored outputs the gate compares with."""
+
+    @abstractmethod
+    def spec(self) -> dict:
+        """What the probes are (a part of the stored reference's key)."""
+
+    @abstractmethod
+    def expected(self, name: str) -> Tensor:
+        """The exact path's output for one check (computed once)."""
+
+    @abstractmethod
+    def run_plain(self, fast: nn.Module) -> Tensor:
+        """The batch-1 check's output on ``fast``."""
+
+    @abstractmethod
+    def checks(self, fast: nn.Module, single: Tensor) -> list[Check]:
+        """Every check of ``fast``, its batch-1 output given."""
+
+    def set_expected(self, tensors: dict[str, Tensor]) -> None:
+        self._expected = dict(tensors)
+
+    def all_expected(self) -> dict[str, Tensor]:
+        return {name: self.expected(name) for name in self.check_names()}
+
+    def check_plain(self, fast: nn.Module, single: Tensor) -> Check:
+        return _check("batch1", single, self.expected("plain"), self._psnr)
+
+    def _psnr(self, got: Tensor, expected: Tensor) -> float:
+        return math.inf
+
+
+class DecoderProbes(Probes):
+    """A decoder's probe latents: batch 1, a batch of 2 with a de-normalized latent, the tiled
+    decode where the family tiles, and the full-resolution check where it is on."""
 
     def __init__(
         self, reference: VAEDecoder, full_on: torch.device | None = None, memory_cap: int = 0
     ) -> None:
+        super().__init__()
         self.reference = reference
         gen = torch.Generator().manual_seed(PROBE_SEED)
         self.plain = reference.probe_latent(gen)
@@ -79,7 +130,6 @@ class Probes:
             if reference.supports_tiling
             else None
         )
-        self._expected: dict[str, Tensor] = {}
         # the full-resolution check: computed on the serving device at the gate, never stored
         self.full_on, self.memory_cap = full_on, memory_cap
         self.full = None
@@ -100,12 +150,6 @@ class Probes:
             "seed": PROBE_SEED,
             "shapes": {k: list(v.shape) for k, v in shapes.items() if v is not None},
         }
-
-    def set_expected(self, tensors: dict[str, Tensor]) -> None:
-        self._expected = dict(tensors)
-
-    def all_expected(self) -> dict[str, Tensor]:
-        return {name: self.expected(name) for name in self.check_names()}
 
     def expected(self, name: str) -> Tensor:
         if name not in self._expected:
@@ -150,57 +194,113 @@ class Probes:
             return self.tiled, {"tiled": True}
         return self.plain, _untiled(decoder)
 
+    @torch.inference_mode()
+    def run_plain(self, fast: nn.Module) -> Tensor:
+        z, options = self.inputs("plain", fast)
+        return fast.decode(z.to(_device(fast)), **options)
+
+    @torch.inference_mode()
+    def checks(self, fast: nn.Module, single: Tensor) -> list[Check]:
+        device, psnr = _device(fast), self._psnr
+        checks = [self.check_plain(fast, single)]
+        # batch 2: the plain probe and a de-normalized one, decoded together as a micro-batch is
+        plain = self.plain.to(device)
+        denorm = fast.denormalize(self.second.to(device).float())
+        batch = fast.decode(torch.cat([plain, denorm]), **_untiled(fast))
+        checks.append(_check("batch2", batch[:1], self.expected("plain"), psnr))
+        checks.append(_check("denormalized", batch[1:], self.expected("denormalized"), psnr))
+        if self.tiled is not None:
+            got = fast.decode(self.tiled.to(device), tiled=True)
+            checks.append(_check("tiled", got, self.expected("tiled"), psnr))
+        expected = self.expected_full()
+        if expected is not None:
+            got = fast.decode(self.full.to(device), **_untiled(fast))
+            checks.append(_check("full", got, expected, psnr))
+        return checks
+
+    def _psnr(self, got: Tensor, expected: Tensor) -> float:
+        return psnr_db(self.reference, got, expected)
+
 
 def _untiled(decoder: VAEDecoder) -> dict:
     return {"tiled": False} if decoder.supports_tiling else {}
 
 
+class EncoderProbes(Probes):
+    """An encoder's probe images: the family's seeded ``probe_input`` alone, and in a batch of
+    2 with a second one (as a micro-batch runs); the moments compared, mean and logvar."""
+
+    def __init__(self, reference: VAEEncoder) -> None:
+        super().__init__()
+        self.reference = reference
+        gen = torch.Generator().manual_seed(PROBE_SEED)
+        self.plain = reference.probe_input(gen)
+        self.second = reference.probe_input(gen)
+
+    def check_names(self) -> list[str]:
+        return ["plain", "second"]
+
+    def spec(self) -> dict:
+        return {
+            "seed": PROBE_SEED,
+            "shapes": {"plain": list(self.plain.shape), "second": list(self.second.shape)},
+        }
+
+    def expected(self, name: str) -> Tensor:
+        if name not in self._expected:
+            with torch.inference_mode():
+                self._expected[name] = self.reference.moments(getattr(self, name))
+        return self._expected[name]
+
+    @torch.inference_mode()
+    def run_plain(self, fast: nn.Module) -> Tensor:
+        return fast.moments(_on(self.plain, fast))
+
+    @torch.inference_mode()
+    def checks(self, fast: nn.Module, single: Tensor) -> list[Check]:
+        batch = fast.moments(_on(torch.cat([self.plain, self.second]), fast))
+        return [
+            self.check_plain(fast, single),
+            _check("batch2", batch[:1], self.expected("plain"), self._psnr),
+            _check("second", batch[1:], self.expected("second"), self._psnr),
+        ]
+
+
+def probes_for(
+    reference: nn.Module, full_on: torch.device | None = None, memory_cap: int = 0
+) -> Probes:
+    """The probes that gate copies of ``reference`` (a decoder's or an encoder's)."""
+    if isinstance(reference, VAEEncoder):
+        return EncoderProbes(reference)
+    return DecoderProbes(reference, full_on, memory_cap)
+
+
 @torch.inference_mode()
-def decode_plain(fast: VAEDecoder, probes: Probes) -> Tensor:
-    """The batch-1 check's decode (the one the mode selection times)."""
-    z, options = probes.inputs("plain", fast)
-    return fast.decode(z.to(_device(fast)), **options)
-
-
-def check_plain(fast: VAEDecoder, probes: Probes, single: Tensor) -> Check:
-    return _check("batch1", fast, single, probes.expected("plain"))
-
-
-@torch.inference_mode()
-def run(fast: VAEDecoder, probes: Probes, single: Tensor | None = None) -> GateReport:
-    """Decode every probe on ``fast`` and compare with the reference's outputs. ``single``:
-    the batch-1 decode of the plain probe when it was already made (timing the mode)."""
+def run(fast: nn.Module, probes: Probes, single: Tensor | None = None) -> GateReport:
+    """Run every probe on ``fast`` and compare with the exact path's outputs. ``single``: the
+    batch-1 output of the plain probe when it was already made (timing the mode)."""
     if fast is probes.reference:
         return EXACT_REPORT
-    device = _device(fast)
-    report = GateReport()
     if single is None:
-        single = decode_plain(fast, probes)
-    report.checks.append(check_plain(fast, probes, single))
-    # batch 2: the plain probe and a de-normalized one, decoded together as a micro-batch is
-    plain = probes.plain.to(device)
-    denorm = fast.denormalize(probes.second.to(device).float())
-    options = {"tiled": False} if fast.supports_tiling else {}
-    batch = fast.decode(torch.cat([plain, denorm]), **options)
-    report.checks.append(_check("batch2", fast, batch[:1], probes.expected("plain")))
-    report.checks.append(_check("denormalized", fast, batch[1:], probes.expected("denormalized")))
-    if probes.tiled is not None:
-        got = fast.decode(probes.tiled.to(device), tiled=True)
-        report.checks.append(_check("tiled", fast, got, probes.expected("tiled")))
-    expected = probes.expected_full()
-    if expected is not None:
-        got = fast.decode(probes.full.to(device), **_untiled(fast))
-        report.checks.append(_check("full", fast, got, expected))
-    return report
+        single = probes.run_plain(fast)
+    return GateReport(probes.checks(fast, single))
 
 
-def _device(decoder: VAEDecoder) -> torch.device:
-    return next(decoder.parameters()).device
+def _device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
 
 
-def _check(name: str, decoder: VAEDecoder, got: Tensor, expected: Tensor) -> Check:
+def _on(x: Tensor, module: nn.Module) -> Tensor:
+    """``x`` on the module's device, in its parameters' dtype (how a request's pixels go up)."""
+    first = next(module.parameters())
+    return x.to(first.device, first.dtype)
+
+
+def _check(
+    name: str, got: Tensor, expected: Tensor, psnr: Callable[[Tensor, Tensor], float]
+) -> Check:
     got, expected = got.float().cpu(), expected.float()
-    return Check(name, cosine(got, expected), psnr_db(decoder, got, expected))
+    return Check(name, cosine(got, expected), psnr(got, expected))
 
 
 def psnr_db(decoder: VAEDecoder, got: Tensor, expected: Tensor) -> float:

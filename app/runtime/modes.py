@@ -11,14 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from app.decoders.base import VAEDecoder
+from app.families import family
 from app.runtime.device import cpu_has_fast_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# 3-D conv weight layout of each video family's copy on a GPU (issue 23.4), by name; NCDHW
-# until the GPU proof's `video` section measures channels_last_3d faster on the card.
-GPU_CONV3D_LAYOUT = {"ltx": "NCDHW", "wan": "NCDHW", "hunyuan-video": "NCDHW"}
 CONV3D_LAYOUTS = {"NCDHW": torch.contiguous_format, "channels_last_3d": torch.channels_last_3d}
 
 
@@ -54,19 +52,17 @@ def candidate_modes(setting: str, device: torch.device) -> list[Mode]:
     return bf16 + float32 if device.type == "cuda" or cpu_has_fast_bf16() else float32 + bf16
 
 
-def build(reference: VAEDecoder, device: torch.device, mode: Mode) -> VAEDecoder:
-    """The resident copy for ``mode`` on ``device``. Parameters take the mode's dtype, except
-    those the decoder ``keeps_float32``; buffers (latent statistics) stay float32, so
-    de-normalization keeps its precision."""
+def build(reference: nn.Module, device: torch.device, mode: Mode) -> nn.Module:
+    """The resident copy of a part (a decoder or an encoder) for ``mode`` on ``device``.
+    Parameters take the mode's dtype, except those the part ``keeps_float32``; buffers (latent
+    statistics) stay float32, so de-normalization keeps its precision."""
     if device.type == "cpu" and mode == EXACT:
         return reference  # the exact path is served as it is
+    cast = _cast_names(reference, mode.dtype)
+    if mode.dtype != torch.float32 and not cast:
+        raise ValueError(f"the family keeps every parameter in float32, none in {mode.dtype}")
     with torch.device("meta"):
         fast = type(reference)(reference.config)
-    cast = {
-        name
-        for name, tensor in reference.named_parameters()
-        if tensor.is_floating_point() and not reference.keeps_float32(name)
-    }
     state = {}
     for name, tensor in reference.state_dict(keep_vars=False).items():
         dtype = mode.dtype if name in cast else tensor.dtype
@@ -78,16 +74,27 @@ def build(reference: VAEDecoder, device: torch.device, mode: Mode) -> VAEDecoder
     if fast.channels_last and device.type == "cpu":  # on a GPU, cuDNN runs NCHW faster
         fast = fast.to(memory_format=torch.channels_last)
     if device.type == "cuda":
-        set_conv3d_layout(fast, GPU_CONV3D_LAYOUT.get(fast.family, "NCDHW"))
+        set_conv3d_layout(fast, family(fast.family).gpu_conv3d_layout)  # the family's choice
     if mode.optimized:
         fast.optimize()
     return fast.eval().requires_grad_(False)
 
 
-def set_conv3d_layout(decoder: VAEDecoder, layout: str) -> None:
-    """Lay out every 5-D weight of ``decoder`` as ``layout`` (a key of ``CONV3D_LAYOUTS``)."""
+def _cast_names(reference: nn.Module, dtype: torch.dtype) -> set[str]:
+    """The floating parameters a copy in ``dtype`` casts: all but those the part
+    ``keeps_float32`` (MiniMax-H3's norms and layer scales; its whole encoder)."""
+    return {
+        name
+        for name, tensor in reference.named_parameters()
+        if tensor.is_floating_point()
+        and not (dtype != torch.float32 and reference.keeps_float32(name))
+    }
+
+
+def set_conv3d_layout(part: nn.Module, layout: str) -> None:
+    """Lay out every 5-D weight of ``part`` as ``layout`` (a key of ``CONV3D_LAYOUTS``)."""
     memory_format = CONV3D_LAYOUTS[layout]
-    for param in decoder.parameters():
+    for param in part.parameters():
         if param.ndim == 5:
             param.data = param.data.contiguous(memory_format=memory_format)
 

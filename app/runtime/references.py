@@ -1,19 +1,21 @@
-"""Gate references: the float32 CPU reference's outputs on the parity gate's probes, computed
-once when a model enters the store (``bake``, ``import``) and kept beside its weights, so a
-start decodes the probes only on the candidate paths.
+"""Gate references: the exact path's outputs on the parity gate's probes, computed once when
+a model enters the store (``bake``, ``import``) and kept beside its weights, so a start runs
+the probes only on the candidate paths. One file per part: the decoder's and the encoder's.
 
-The file (``gate_reference.safetensors`` in the entry's folder) holds one tensor per check
-(``plain``, ``denormalized``, ``tiled``) and two metadata strings: ``key``, the JSON of
-everything that determines the outputs (the weights' sha256, a fingerprint of the family's
-exact-path source code, the torch version, the probe spec), and ``sha256``, the digest of the
-tensors. A start with another key recomputes the reference (stale); a digest that does not
-match the tensors is a tampered or corrupt file: it is never used, the reference is recomputed.
-Either way the fresh reference is written back when the store is writable.
+The file (``gate_reference.safetensors``, the encoder's ``encoder_gate_reference.safetensors``,
+in the entry's folder) holds one tensor per check (a decoder's ``plain``, ``denormalized``,
+``tiled``; an encoder's ``plain``, ``second``) and two metadata strings: ``key``, the JSON of
+everything that determines the outputs (the part's weights sha256, a fingerprint of the
+family's exact-path source code, the torch version, the probe spec), and ``sha256``, the digest
+of the tensors. A start with another key recomputes the reference (stale); a digest that does
+not match the tensors is a tampered or corrupt file: it is never used, the reference is
+recomputed. Either way the fresh reference is written back when the store is writable.
 """
 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -25,35 +27,40 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import Tensor
 
-import app.decoders
-from app.decoders import family_module
+import app.families
+from app.families import family
 from app.runtime import gate
-from app.store import Manifest, entry_dir, load_model
+from app.store import Manifest, entry_dir, load_part, read_manifest
 
 log = logging.getLogger("app.runtime.references")
 
-REFERENCE_FILE = "gate_reference.safetensors"
-# shared code every family's exact path runs through (the family's own package is added)
-SHARED_SOURCES = ("base.py", "ops.py", "tiling.py")
+REFERENCE_FILES = {"decoder": "gate_reference.safetensors",
+                   "encoder": "encoder_gate_reference.safetensors"}  # fmt: skip
+REFERENCE_FILE = REFERENCE_FILES["decoder"]
+# shared code every family's exact path runs through (the part's own package is added)
+SHARED_SOURCES = {
+    "decoder": ("decoder.py", "ops.py", "tiling.py"),
+    "encoder": ("encoder.py", "encoding.py", "attention.py", "ops.py", "tiling.py"),
+}
 
 
-def code_fingerprint(family: str) -> str:
-    """sha256 of the source files the family's exact path is made of, and of the gate's (which
-    makes the reference's calls)."""
-    root = Path(app.decoders.__file__).parent
-    module = Path(family_module(family).__file__)
-    own = sorted(module.parent.rglob("*.py")) if module.name == "__init__.py" else [module]
-    files = [root / name for name in SHARED_SOURCES] + own + [Path(gate.__file__)]  # + the calls
+def code_fingerprint(family_key: str, part: str = "decoder") -> str:
+    """sha256 of the source files the part's exact path is made of (its package, the shared
+    modules), and of the gate's (which makes the reference's calls)."""
+    root = Path(app.families.__file__).parent
+    module = Path(inspect.getfile(getattr(family(family_key), part).module))
+    own = sorted(module.parent.rglob("*.py")) if module.parent.parent.parent == root else [module]
+    shared = [root / name for name in SHARED_SOURCES[part]]
     digest = hashlib.sha256()
-    for path in files:
+    for path in [*shared, *own, Path(gate.__file__)]:  # + the calls
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
-def reference_key(manifest: Manifest, probes: gate.Probes) -> dict[str, Any]:
+def reference_key(manifest: Manifest, probes: gate.Probes, part: str = "decoder") -> dict[str, Any]:
     return {
-        "weights_sha256": manifest.sha256,
-        "code": code_fingerprint(manifest.family),
+        "weights_sha256": manifest.parts[part]["sha256"],
+        "code": code_fingerprint(manifest.family, part),
         "torch": torch.__version__,
         "probe": probes.spec(),
     }
@@ -68,9 +75,11 @@ def tensors_digest(tensors: dict[str, Tensor]) -> str:
     return digest.hexdigest()
 
 
-def read(folder: Path, key: dict[str, Any]) -> tuple[dict[str, Tensor] | None, str]:
+def read(
+    folder: Path, key: dict[str, Any], part: str = "decoder"
+) -> tuple[dict[str, Tensor] | None, str]:
     """(tensors, "valid") or (None, why not: "missing", "stale", "tampered")."""
-    path = Path(folder) / REFERENCE_FILE
+    path = Path(folder) / REFERENCE_FILES[part]
     if path.is_symlink():  # the store follows no link but its entry's (app/store/__init__.py)
         log.error("gate reference %s is a symlink: not read", path)
         return None, "tampered"
@@ -90,52 +99,76 @@ def read(folder: Path, key: dict[str, Any]) -> tuple[dict[str, Tensor] | None, s
     return tensors, "valid"
 
 
-def write(folder: Path, key: dict[str, Any], tensors: dict[str, Tensor]) -> None:
+def write(
+    folder: Path, key: dict[str, Any], tensors: dict[str, Tensor], part: str = "decoder"
+) -> None:
     """Atomically (tmp + os.replace) write the reference beside the weights."""
     folder = Path(folder)
     tensors = {name: t.detach().float().cpu().contiguous().clone() for name, t in tensors.items()}
     meta = {"key": _canonical(key), "sha256": tensors_digest(tensors)}
-    tmp = folder / f".{REFERENCE_FILE}.{os.getpid()}.tmp"
+    tmp = folder / f".{REFERENCE_FILES[part]}.{os.getpid()}.tmp"
     try:
         save_file(tensors, str(tmp), metadata=meta)
         os.chmod(tmp, 0o444)  # served by another user than the baker's (app/store/__init__.py)
-        os.replace(tmp, folder / REFERENCE_FILE)
+        os.replace(tmp, folder / REFERENCE_FILES[part])
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def probes_for(folder: Path, manifest: Manifest, probes: gate.Probes) -> str:
-    """Fill ``probes`` with the stored reference outputs, or recompute them (and write them
-    back where the store is writable). Returns what was found: valid, missing, stale, tampered."""
-    tensors, status = read(folder, reference_key(manifest, probes))
+def load(
+    store: Path, name: str, part: str, manifest: Manifest, probes: gate.Probes
+) -> tuple[Path, str]:
+    """The entry's folder, and the stored reference of ``part`` set on ``probes`` where it is
+    valid; the status: valid, missing, stale (made by other code or probes), tampered."""
+    folder = entry_dir(store, name)
+    tensors, status = read(folder, reference_key(manifest, probes, part), part)
     if tensors is not None and set(tensors) == set(probes.check_names()):
         probes.set_expected(tensors)
-        return status
-    return recompute(folder, manifest, probes, "stale" if status == "valid" else status)
+    elif status == "valid":
+        status = "stale"  # the gate's checks changed
+    return folder, status
 
 
-def recompute(folder: Path, manifest: Manifest, probes: gate.Probes, status: str) -> str:
-    """The reference decodes the probes; the result is written back where the store is
-    writable. ``status`` (why: missing, stale, tampered) is logged and returned."""
-    level = logging.ERROR if status == "tampered" else logging.INFO
-    log.log(level, "model %s: gate reference %s: recomputing it", manifest.name, status)
+def recompute(
+    folder: Path, manifest: Manifest, part: str, probes: gate.Probes, status: str
+) -> None:
+    """The exact path runs the probes; the result is written back where the store is
+    writable. ``status`` (why: missing, stale, tampered) is logged."""
+    log.log(
+        _level(status),
+        "model %s: %s gate reference %s: recomputing it",
+        manifest.name,
+        part,
+        status,
+    )
     probes.set_expected({})  # never a tensor of a reference that failed its check
     expected = probes.all_expected()
     try:
-        write(folder, reference_key(manifest, probes), expected)
-        log.info("model %s: gate reference written to %s", manifest.name, folder)
+        write(folder, reference_key(manifest, probes, part), expected, part)
+        log.info("model %s: %s gate reference written to %s", manifest.name, part, folder)
     # a read-only store, or a version a later import replaced meanwhile (safetensors reports
     # the vanished folder as its own error): the reference lives for this process only
     except (OSError, SafetensorError) as exc:
-        log.warning("model %s: gate reference not written (%s)", manifest.name, exc)
-    return status
+        log.warning("model %s: %s gate reference not written (%s)", manifest.name, part, exc)
 
 
-def store_reference(store: Path, name: str) -> str:
-    """Compute and store one entry's gate reference (``bake``/``import`` call it)."""
-    manifest, decoder = load_model(store, name)
-    decoder = decoder.float()
-    return probes_for(entry_dir(store, name), manifest, gate.Probes(decoder))
+def store_references(store: Path, name: str) -> str:
+    """Compute and store the gate reference of each part of one entry (``bake`` and
+    ``import`` call it); what it did, for their output line."""
+    _, manifest = read_manifest(store, name)
+    done = []
+    for part in manifest.parts:
+        _, module = load_part(store, name, part)
+        probes = gate.probes_for(module.float())
+        folder, status = load(store, name, part, manifest, probes)
+        if status != "valid":
+            recompute(folder, manifest, part, probes, status)
+        done.append(f"{part} {'kept' if status == 'valid' else 'stored'}")
+    return "gate references: " + ", ".join(done)
+
+
+def _level(status: str) -> int:
+    return logging.ERROR if status == "tampered" else logging.INFO
 
 
 def _canonical(key: dict[str, Any]) -> str:

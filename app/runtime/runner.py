@@ -1,14 +1,16 @@
-"""The runner: one decode, from a validated latent to pixels on the host.
+"""The runner: one run of a served part, decoder or encoder, on the host's input.
 
-de-normalize -> decode (resident weights, the served mode) -> [0, 1] -> uint8 HWC on the
-device -> pinned, non-blocking copy to the host. Encoding (PNG, MP4) happens elsewhere, off
-the decode worker. HTTP and ``python -m app decode`` both come through here.
+A decode: de-normalize -> decode (resident weights, the served mode) -> [0, 1] -> uint8 HWC on
+the device -> pinned, non-blocking copy to the host. An encode: pixels up -> moments (chunk by
+chunk for a video) -> the mean or a seeded sample -> scaling and layout -> the latent down.
+Writing the answer (PNG, MP4, tensor bytes) happens elsewhere, off the worker. HTTP and
+``python -m app decode`` / ``encode`` all come through here.
 
-Memory: on a GPU, ``rows_that_fit`` plans how many latent rows one decode takes within the free
-memory (the scheduler forms micro-batches of at most that many), and a single latent whose
-estimate does not fit is decoded tiled. An actual out-of-memory error climbs a ladder: split
-the batch, then tile, then (only with ``VAE_OOM_FALLBACK=cpu``) the float32 CPU path, else
-``OutOfMemory`` (503 with Retry-After).
+Memory: on a GPU, ``rows_that_fit`` plans how many rows one run takes within the free memory
+(the scheduler forms micro-batches of at most that many), and a single latent whose estimate
+does not fit is decoded tiled. An actual out-of-memory error climbs one ladder for both
+directions: split the batch, then tile (where the part tiles), then (only with
+``VAE_OOM_FALLBACK=cpu``) the float32 CPU path, else ``OutOfMemory`` (503 with Retry-After).
 """
 
 from __future__ import annotations
@@ -19,15 +21,19 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from app.decoders.base import VAEDecoder
-from app.protocol.request import DecodeRequest, Scaling
+from app.families.decoder import VAEDecoder
+from app.families.encoder import VAEEncoder
+from app.protocol.request import DecodeRequest, EncodeRequest, EncodeScaling, Scaling
 from app.runtime import device as devices
-from app.runtime.registry import ServedModel
+from app.runtime.parts import ServedPart
+from app.runtime.selection import ENCODER_STAGE_PREFIX
 from app.telemetry import timing
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
+
+Request = DecodeRequest | EncodeRequest
 
 log = logging.getLogger("app.runtime.runner")
 PLANNING_SHARE = 0.8  # of the free device memory (measured: docs/BENCHMARKS.md, L4 emulation)
@@ -38,14 +44,18 @@ class OutOfMemory(Exception):
 
 
 class NonFiniteOutput(Exception):
-    """The decode produced NaN or infinity: the latent or its factors are out of range."""
+    """The run produced NaN or infinity: the input or its factors are out of range."""
+
+
+class InvalidInput(ValueError):
+    """The encoder refused the pixels (a shape its family cannot encode): a 422."""
 
 
 @dataclass
 class Attempt:
-    """One rung of the ladder: which decoder, tiled or not (or its compiled graph)."""
+    """One rung of the ladder: which module, tiled or not (or its compiled graph)."""
 
-    decoder: VAEDecoder
+    decoder: nn.Module
     tiled: bool | None
     label: str
     compiled: Callable[[Tensor], Tensor] | None = None
@@ -67,104 +77,203 @@ class Runner:
         self.memory_cap = memory_cap
         self.max_decode_pixels = max_decode_pixels
 
+    # --- the scheduler's calls: rows, chunks, and what chunks add up to -------------------
+    def rows(self, part: ServedPart, request: Request, timer: PhaseTimer) -> list[Tensor]:
+        """The whole of one request's (or micro-batch's) input, one host tensor per row."""
+        if isinstance(request, EncodeRequest):
+            return self.encode_rows(part, request, timer)
+        return self.decode_rows(part, request, timer)
+
+    def chunks(self, part: ServedPart, request: Request, timer: PhaseTimer) -> Iterator[Tensor]:
+        """One video request chunk by chunk: a decode's frames as they are decoded, an
+        encode's moments (``assemble`` makes the latent of them)."""
+        if isinstance(request, EncodeRequest):
+            return self.encode_chunks(part, request, timer)
+        return self.stream(part, request, timer)
+
+    def assemble(
+        self, part: ServedPart, request: Request, chunks: list[Tensor], timer: PhaseTimer
+    ) -> Tensor:
+        """What a chunked request's chunks add up to: the video, or the encode's latent."""
+        if isinstance(request, EncodeRequest):
+            return self.encode_finish(part, request, torch.cat(chunks, 2), timer)
+        axis = 0 if request.output.frames else 2
+        return torch.cat(chunks, axis)
+
     # --- whole decodes ------------------------------------------------------------------
-    def decode(self, model: ServedModel, request: DecodeRequest, timer: PhaseTimer) -> Tensor:
+    def decode(self, model: ServedPart, request: DecodeRequest, timer: PhaseTimer) -> Tensor:
         """Decode the whole of ``request.latent`` (CPU) in one call into what its ``output``
         asks for; on out-of-memory, the ladder splits, tiles or falls back."""
         return torch.cat(self.decode_rows(model, request, timer))
 
     def decode_rows(
-        self, model: ServedModel, request: DecodeRequest, timer: PhaseTimer
+        self, model: ServedPart, request: DecodeRequest, timer: PhaseTimer
     ) -> list[Tensor]:
         """``decode``, one host tensor per latent row: the decoder's ``[1,3,...]`` for
         ``Output.TENSOR``, else that row's frames ``[t,...]`` (a micro-batch is handed back to
         its requests by rows, whatever a row decodes to)."""
         first = self._first_attempt(model, request.latent, request.options.get("tiled"))
-        return self._decode_ladder(model, request.latent, first, request, timer)
+        run = lambda attempt, latent: self._run(attempt, latent, request, timer)  # noqa: E731
+        return self._ladder(model, request.latent, first, run)
 
-    def rows_that_fit(self, model: ServedModel, latent_shape: tuple[int, ...]) -> int:
-        """How many latent rows of ``latent_shape`` one decode should take: their estimated
-        working memory within the device's budget, and at most ``max_decode_pixels`` output
-        pixels (past that, a GPU decode gets slower per pixel: docs/BENCHMARKS.md). The
-        scheduler forms micro-batches of at most this many rows; the CPU has no budget."""
-        decoder = model.active
-        budget = self._budget(decoder)
+    def rows_that_fit(self, part: ServedPart, shape: tuple[int, ...]) -> int:
+        """How many rows of ``shape`` one run should take: their estimated working memory
+        within the device's budget, and at most ``max_decode_pixels`` output pixels (past
+        that, a GPU decode gets slower per pixel: docs/BENCHMARKS.md). The scheduler forms
+        micro-batches of at most this many rows; the CPU has no budget."""
+        module = part.active
+        budget = self._budget(module)
         if budget is None:
             return 1 << 30
-        one = decoder.working_bytes((1, *latent_shape[1:]), _element_size(decoder))
-        pixels = latent_shape[-2] * latent_shape[-1] * decoder.spatial_scale**2
+        one = module.working_bytes((1, *shape[1:]), _element_size(module))
+        scale = 1 if isinstance(module, VAEEncoder) else module.spatial_scale
+        pixels = shape[-2] * shape[-1] * scale**2
         return int(max(1, min(budget // max(one, 1), self.max_decode_pixels // pixels)))
 
-    def _decode_ladder(
-        self,
-        model: ServedModel,
-        latent: Tensor,
-        attempt: Attempt,
-        request: DecodeRequest,
-        timer: PhaseTimer,
+    # --- encodes ------------------------------------------------------------------------
+    def encode_rows(
+        self, part: ServedPart, request: EncodeRequest, timer: PhaseTimer
     ) -> list[Tensor]:
+        """Encode every row of ``request.pixels``: one latent per row, on the host."""
+        pixels = request.pixels
+        first = self._first_attempt(part, pixels)
+
+        def run(attempt: Attempt, x: Tensor) -> list[Tensor]:
+            chunks = list(self._moments(attempt.decoder, x, timer))
+            return list(self.encode_finish(part, request, torch.cat(chunks, 2), timer).split(1))
+
+        return self._ladder(part, pixels, first, run)
+
+    def encode_chunks(
+        self, part: ServedPart, request: EncodeRequest, timer: PhaseTimer
+    ) -> Iterator[Tensor]:
+        """A video's moments chunk by chunk (its clip read window by window), on the host; on
+        out-of-memory the encode restarts on the next rung (it holds no frames sent out)."""
+        attempt = self._first_attempt(part, request.pixels)
+        while True:
+            done: list[Tensor] = []
+            try:
+                for chunk in self._moments(attempt.decoder, request.pixels, timer):
+                    done.append(chunk)
+                    yield chunk
+                return
+            except Exception as exc:
+                if not devices.is_oom(exc) or done:
+                    raise
+                failed = attempt.label
+            devices.release_cached(part.device)
+            attempt = self._next_attempt(part, attempt)
+            self._note_retry(part, failed, attempt.label)
+
+    def _moments(self, encoder: VAEEncoder, x: Any, timer: PhaseTimer) -> Iterator[Tensor]:
+        """The encoder's moments of ``x`` (pixels, or a clip read as it goes), chunk by chunk,
+        each on the host."""
+        device = _device_of(encoder)
+        timer.device = device
+        if isinstance(x, Tensor):
+            with timer.active(), timer.device_phase("upload"):
+                x = x.to(device, _dtype_of(encoder))
+        chunks = encoder.iter_moments(_on_device(x, encoder) if not isinstance(x, Tensor) else x)
+        while True:
+            with torch.inference_mode(), timer.active():
+                try:
+                    chunk = next(chunks, None)
+                except ValueError as exc:  # the family's input checks run before any compute
+                    raise InvalidInput(str(exc)) from None
+                if chunk is None:
+                    return
+                with timer.device_phase("download"):
+                    chunk = chunk.float().cpu()
+            timer.resolve()
+            yield chunk
+
+    @torch.inference_mode()
+    def encode_finish(
+        self, part: ServedPart, request: EncodeRequest, moments: Tensor, timer: PhaseTimer
+    ) -> Tensor:
+        """Moments -> the latent a client receives: the mean or a seeded sample, then
+        ``(z - shift) * scale`` (or the model's own normalisation), then FLUX's packing."""
+        encoder = part.reference  # the normalisation reads float32 statistics
+        with timer.active(), timer.phase(ENCODER_STAGE_PREFIX + "normalize"):
+            generator = torch.Generator().manual_seed(request.seed) if request.sample else None
+            z = encoder.latent(moments, request.sample, generator)
+            z = scaled(encoder, z, request.scaling)
+            if request.packed:
+                z = pack_latents(z)
+        if not bool(torch.isfinite(z).all()):
+            raise NonFiniteOutput("the encode produced NaN or infinity: check the factors")
+        return z.contiguous()
+
+    # --- the ladder ---------------------------------------------------------------------
+    def _ladder(
+        self,
+        part: ServedPart,
+        x: Tensor,
+        attempt: Attempt,
+        run: Callable[[Attempt, Tensor], list[Tensor]],
+    ) -> list[Tensor]:
+        """``run(attempt, x)``; on out-of-memory, the same on halves of the batch, then on the
+        next rung (tiled, then the CPU)."""
         try:
-            return self._run(attempt, latent, request, timer)
+            return run(attempt, x)
         except Exception as exc:
             if not devices.is_oom(exc):
                 raise
             failed = attempt.label
-        # out of the except block: its traceback no longer pins the failed decode's tensors
-        devices.release_cached(model.device)
-        if latent.shape[0] > 1:
-            self._note_retry(model, failed, "split")
-            half = (latent.shape[0] + 1) // 2
+        # out of the except block: its traceback no longer pins the failed run's tensors
+        devices.release_cached(part.device)
+        if x.shape[0] > 1:
+            self._note_retry(part, failed, "split")
+            half = (x.shape[0] + 1) // 2
             attempt = replace(attempt, compiled=None)  # a graph is compiled for one shape
             return [
-                row
-                for part in latent.split(half)
-                for row in self._decode_ladder(model, part, attempt, request, timer)
+                row for piece in x.split(half) for row in self._ladder(part, piece, attempt, run)
             ]
-        nxt = self._next_attempt(model, attempt)
-        self._note_retry(model, failed, nxt.label)
-        return self._decode_ladder(model, latent, nxt, request, timer)
+        nxt = self._next_attempt(part, attempt)
+        self._note_retry(part, failed, nxt.label)
+        return self._ladder(part, x, nxt, run)
 
-    def _first_attempt(
-        self, model: ServedModel, latent: Tensor, asked: bool | None = None
-    ) -> Attempt:
-        """The served decoder, untiled on a GPU when the estimate fits the free memory.
+    def _first_attempt(self, part: ServedPart, x: Any, asked: bool | None = None) -> Attempt:
+        """The served module, untiled on a GPU when the estimate fits the free memory.
         ``asked``: the caller's own ``tiled`` option (then it decides)."""
-        decoder, graph = model.active, model.compiled.get(tuple(latent.shape))
+        module, graph = part.active, part.compiled.get(tuple(x.shape))
+        tiles = getattr(module, "supports_tiling", False)
         if asked is not None:
-            return Attempt(model.decoder_for(asked), None, "served")
-        budget = self._budget(decoder)
+            return Attempt(part.decoder_for(asked), None, "served")
+        budget = self._budget(module)
         if budget is None:  # CPU: the family's own default, where the gate checked its tiles
-            untiled = decoder.supports_tiling and decoder is not model.decoder_for(True)
-            return Attempt(decoder, False if untiled else None, "served", graph)
-        one = decoder.working_bytes(tuple(latent[:1].shape), _element_size(decoder))
+            untiled = tiles and module is not part.decoder_for(True)
+            return Attempt(module, False if untiled else None, "served", graph)
+        one = module.working_bytes((1, *x.shape[1:]), _element_size(module))
         if one <= budget:
-            return Attempt(decoder, False, "served", graph)
-        if decoder.supports_tiling:
-            return Attempt(model.decoder_for(True), True, "tiled")
+            return Attempt(module, False if tiles else None, "served", graph)
+        if tiles:
+            return Attempt(part.decoder_for(True), True, "tiled")
         raise OutOfMemory(
-            f"decoding this latent needs about {one / 2**30:.1f} GiB of device memory; "
+            f"this {part.part} run needs about {one / 2**30:.1f} GiB of device memory; "
             f"{budget / 2**30:.1f} GiB is free"
         )
 
-    def _budget(self, decoder: VAEDecoder) -> int | None:
+    def _budget(self, module: nn.Module) -> int | None:
         """The share of free device memory a decode is planned into: near the limit the
         caching allocator has to free and retry, which costs more than a split."""
         budget = self.budget
         if budget is None:
-            budget = devices.memory_budget(_device_of(decoder), self.memory_cap)
+            budget = devices.memory_budget(_device_of(module), self.memory_cap)
         return None if budget is None else int(budget * PLANNING_SHARE)
 
-    def _next_attempt(self, model: ServedModel, attempt: Attempt) -> Attempt:
-        if attempt.decoder.supports_tiling and attempt.tiled is not True:
-            decoder = model.decoder_for(True) if attempt.decoder is model.fast else attempt.decoder
-            return Attempt(decoder, True, "tiled")
-        if self.oom_fallback == "cpu" and attempt.decoder is not model.reference:
-            return Attempt(model.reference, None, "cpu")
-        raise OutOfMemory("out of device memory decoding this latent, even tiled")
+    def _next_attempt(self, part: ServedPart, attempt: Attempt) -> Attempt:
+        if getattr(attempt.decoder, "supports_tiling", False) and attempt.tiled is not True:
+            module = part.decoder_for(True) if attempt.decoder is part.fast else attempt.decoder
+            return Attempt(module, True, "tiled")
+        if self.oom_fallback == "cpu" and attempt.decoder is not part.reference:
+            return Attempt(part.reference, None, "cpu")
+        raise OutOfMemory(f"out of device memory in this {part.part} run, even tiled")
 
     def _run(
         self, attempt: Attempt, latent: Tensor, request: DecodeRequest, timer: PhaseTimer
     ) -> list[Tensor]:
+        """One decode of ``latent`` on the attempt's rung."""
         decoder, options = attempt.decoder, request.options
         with torch.inference_mode(), timer.active():
             z = self._prepare(decoder, latent, request.scaling, timer)
@@ -180,7 +289,7 @@ class Runner:
 
     # --- streaming ----------------------------------------------------------------------
     def stream(
-        self, model: ServedModel, request: DecodeRequest, timer: PhaseTimer
+        self, model: ServedPart, request: DecodeRequest, timer: PhaseTimer
     ) -> Iterator[Tensor]:
         """The first video in ``request.latent``, chunk by chunk as it is decoded: frames
         ``[t,...]`` (uint8 ``[t,H,W,3]`` for MP4) or, for ``Output.TENSOR``, the decoder's own
@@ -261,11 +370,15 @@ class Runner:
             )
         return list(host.split(per_row))
 
-    def _note_retry(self, model: ServedModel, failed: str, rung: str) -> None:
+    def _note_retry(self, part: ServedPart, failed: str, rung: str) -> None:
         log.warning(
-            "model %s: out of memory on the %s decode, retrying %s", model.name, failed, rung
+            "model %s: out of memory on the %s %s run, retrying %s",
+            part.name,
+            failed,
+            part.part,
+            rung,
         )
-        self.metrics.retries_total.labels(model.name, "oom", rung).inc()
+        self.metrics.retries_total.labels(part.name, "oom", rung).inc()
 
 
 def to_uint8_hwc(unit: Tensor) -> Tensor:
@@ -288,9 +401,54 @@ def _tiled(decoder: VAEDecoder, tiled: bool | None) -> dict[str, Any]:
     return {"tiled": tiled} if decoder.supports_tiling and tiled is not None else {}
 
 
-def _device_of(decoder: VAEDecoder) -> torch.device:
-    return next(decoder.parameters()).device
+def _device_of(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
 
 
-def _element_size(decoder: VAEDecoder) -> int:
-    return next(decoder.parameters()).element_size()
+def _dtype_of(module: nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+def _element_size(module: nn.Module) -> int:
+    return next(module.parameters()).element_size()
+
+
+class _DeviceClip:
+    """A host clip whose windows go up to the encoder's device and dtype as they are read."""
+
+    def __init__(self, clip: Any, module: nn.Module) -> None:
+        self.clip, self.device, self.dtype = clip, _device_of(module), _dtype_of(module)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.clip.shape
+
+    def window(self, start: int, stop: int) -> Tensor:
+        with timing.phase("upload"):
+            return self.clip.window(start, stop).to(self.device, self.dtype)
+
+    def release(self, before: int) -> None:
+        self.clip.release(before)
+
+    def close(self) -> None:
+        self.clip.close()
+
+
+def _on_device(clip: Any, module: nn.Module) -> _DeviceClip:
+    return _DeviceClip(clip, module)
+
+
+def scaled(encoder: VAEEncoder, z: Tensor, scaling: EncodeScaling) -> Tensor:
+    """remote_encode's ``(z - shift) * scale``, or the model's own with ``do_scaling``."""
+    if scaling.scaling_factor is not None or scaling.shift_factor is not None:
+        scale = 1.0 if scaling.scaling_factor is None else scaling.scaling_factor
+        return (z - (scaling.shift_factor or 0.0)) * scale
+    return encoder.normalize(z) if scaling.model_default else z
+
+
+def pack_latents(z: Tensor) -> Tensor:
+    """FLUX's packed layout (``FluxPipeline._pack_latents``): ``[B,C,H,W]`` ->
+    ``[B, (H/2)(W/2), 4C]``, each 2x2 patch's channels together."""
+    b, c, h, w = z.shape
+    z = z.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return z.reshape(b, (h // 2) * (w // 2), c * 4)

@@ -1,18 +1,19 @@
-"""The scheduler: one bounded queue and one decode worker per device.
+"""The scheduler: one bounded queue and one worker per device, for decodes and encodes alike.
 
-The event loop never runs a decode: handlers ``submit`` a ``Job`` and await its future. The
-worker takes jobs in order and micro-batches consecutive ones of the same model, latent shape
-and options (waiting up to ``VAE_BATCH_WINDOW_MS`` for them). This is the one place batching
-is decided: a micro-batch takes at most ``row_cap`` latent rows (``VAE_BATCH_ROWS``, the
-manifest's ``max_batch``, and the runner's plan of what fits the device), a job of more rows
-is decoded in several, and each job gets its own rows' outputs back. A job whose caller left,
-or whose deadline passed before it could start, is dropped before any decoding.
+The event loop never runs a decode or an encode: handlers ``submit`` a ``Job`` and await its
+future. The worker takes jobs in order and micro-batches consecutive ones of the same part,
+input shape and options (waiting up to ``VAE_BATCH_WINDOW_MS`` for them). This is the one
+place batching is decided: a micro-batch takes at most ``row_cap`` rows (``VAE_BATCH_ROWS``,
+the manifest's ``max_batch``, and the runner's plan of what fits the device), a job of more
+rows runs in several, and each job gets its own rows' outputs back. A job whose caller left,
+or whose deadline passed before it could start, is dropped before any work.
 
-Long work does not hold short work: a streamed video decodes one chunk at a time, and between
-its chunks (and while its buffer is full) the worker serves whatever other work is queued, so
-a small decode waits about one chunk, not whole videos. Streams run one at a time, in order
-(each holds its decoder's working state); at most ``max_streams`` are admitted at once,
-queued or running or still sending (``StreamsFull`` past that).
+Long work does not hold short work: a chunked job (a streamed video decode, a video encode)
+runs one chunk at a time, and between its chunks (and while a stream's buffer is full) the
+worker serves whatever other work is queued, so a small request waits about one chunk, not
+whole videos. Chunked jobs run one at a time, in order (each holds its module's working
+state); at most ``max_streams`` streams are admitted at once, queued or running or still
+sending (``StreamsFull`` past that).
 """
 
 from __future__ import annotations
@@ -24,17 +25,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from app.protocol import Limits
-from app.protocol.request import DecodeRequest
+from app.protocol.request import DecodeRequest, EncodeRequest
 from app.runtime import device as devices
 from app.runtime.channel import FrameChannel
-from app.runtime.registry import ServedModel
+from app.runtime.parts import ENCODER, ServedPart
 from app.runtime.runner import Runner
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
@@ -68,10 +69,11 @@ class DeadlineExceeded(Exception):
 
 @dataclass(frozen=True, eq=False)
 class Job:
-    """A request on its way through the queue: built once, never reassigned."""
+    """A request on its way through the queue (a decode or an encode): built once, never
+    reassigned."""
 
-    model: ServedModel
-    request: DecodeRequest
+    part: ServedPart
+    request: DecodeRequest | EncodeRequest
     timer: PhaseTimer
     channel: FrameChannel | None = None  # streamed (MP4): frames go here as they decode
     future: Future = field(default_factory=Future)
@@ -87,6 +89,13 @@ class Job:
         """perf_counter time by which the job must have started."""
         return self.request.deadline
 
+    @property
+    def chunked(self) -> bool:
+        """Run chunk by chunk, alone (a stream, or a video encode), serving others between."""
+        if self.channel is not None:
+            return True
+        return self.part.part == ENCODER and self.request.video and self.part.reference.is_video
+
     def abandon(self) -> None:
         """The caller went away: drop the job if it is still queued, stop it if it streams."""
         self.abandoned.set()
@@ -95,14 +104,13 @@ class Job:
             self.channel.drop("the client went away")
 
     def batch_key(self) -> tuple:
-        return (self.model.name, *self.request.batch_key())
+        return (self.part.name, self.part.part, *self.request.batch_key())
 
 
 @dataclass(eq=False)
 class Call:
-    """Device work that is not a decode (warm-up, compiles, an encode request), run on the
-    decode worker: the thread whose cuDNN handles and algorithm caches the requests will use.
-    A request's call (``submit_call``) has a deadline and can be abandoned, like a ``Job``."""
+    """Device work that is not a request (warm-up, compiles), run on the worker: the thread
+    whose cuDNN handles and algorithm caches the requests will use."""
 
     fn: Callable[[], Any]
     future: Future = field(default_factory=Future)
@@ -189,20 +197,6 @@ class Scheduler:
         self._queue.put(item)
         return item.future.result()
 
-    def submit_call(self, call: Call) -> Future:
-        """Queue a request's device work that is not a decode (an encode): same queue, order
-        and refusals as ``submit``; answered through ``call.future``."""
-        if self._stopping:
-            raise Stopped("the service is shutting down")
-        if self.device_lost:
-            raise DeviceLost(self.device_lost)
-        try:
-            self._queue.put_nowait(call)
-        except queue.Full:
-            raise QueueFull from None
-        self.metrics.queue_depth.set(self._queue.qsize())
-        return call.future
-
     def submit(self, job: Job) -> Future:
         if self._stopping:
             raise Stopped("the service is shutting down")
@@ -263,7 +257,7 @@ class Scheduler:
                 except queue.Empty:
                     break
             did = True
-            if isinstance(item, Job) and item.channel is not None:
+            if isinstance(item, Job) and item.chunked:
                 self._streams_waiting.append(item)
             elif item is None:
                 self._stop_seen = True  # finish this stream, then exit
@@ -280,7 +274,7 @@ class Scheduler:
             self.metrics.inflight.set(len(batch))
             self._decode_batch(batch)
         except Exception as exc:  # a bug here must fail its jobs, not stop the worker
-            log.exception("decode worker error")
+            log.exception("worker error")
             for j in batch:
                 fail(j, exc)
         finally:
@@ -289,8 +283,8 @@ class Scheduler:
     def row_cap(self, job: Job) -> int:
         """Rows one micro-batch of ``job``'s kind may take: ``VAE_BATCH_ROWS``, the model's
         own ``max_batch`` (its manifest), and what the runner plans to fit the device."""
-        cap = Limits(max_batch=self.batch_rows).tightened(job.model.manifest.config).max_batch
-        fits = self.runner.rows_that_fit(job.model, tuple(job.request.latent.shape))
+        cap = Limits(max_batch=self.batch_rows).tightened(job.part.manifest.config).max_batch
+        fits = self.runner.rows_that_fit(job.part, tuple(job.request.input.shape))
         return max(1, min(cap, fits))
 
     def _gather(self, first: Job) -> list[Job]:
@@ -299,7 +293,7 @@ class Scheduler:
         batch, key = [first], first.batch_key()
         rows, cap = first.rows, self.row_cap(first)
         until = time.perf_counter() + self.batch_window_s
-        while rows < cap and first.channel is None:
+        while rows < cap and not first.chunked:
             try:
                 wait = until - time.perf_counter()
                 nxt = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
@@ -308,7 +302,7 @@ class Scheduler:
             if (
                 nxt is None
                 or isinstance(nxt, Call)
-                or nxt.channel is not None
+                or nxt.chunked
                 or nxt.batch_key() != key
                 or rows + nxt.rows > cap
             ):
@@ -325,8 +319,8 @@ class Scheduler:
         start = time.perf_counter()
         for job in batch:
             job.timer.add("queue", start - job.enqueued)
-        if batch[0].channel is not None:
-            return self._stream(batch[0])
+        if batch[0].chunked:
+            return self._run_chunked(batch[0])
         try:
             outs = self._decode_jobs(batch)
         except Exception as exc:
@@ -345,16 +339,16 @@ class Scheduler:
     def _decode_jobs(self, batch: list[Job]) -> list[Tensor]:
         """The batch's rows in micro-batches of at most ``row_cap`` rows (one job's rows may
         span several); each job gets its own rows' outputs back, and every job the shared
-        decodes' phases."""
+        runs' phases."""
         lead = batch[0]
         timer = PhaseTimer() if len(batch) > 1 else lead.timer
-        latents = [j.request.latent for j in batch]
-        latent = latents[0] if len(latents) == 1 else torch.cat(latents)
+        inputs = [j.request.input for j in batch]
+        joined = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
         cap = self.row_cap(lead)
         rows: list[Tensor] = []
-        for piece in latent.split(cap):
-            self.metrics.batch_rows.labels(lead.model.name).observe(piece.shape[0])
-            rows += self.runner.decode_rows(lead.model, replace(lead.request, latent=piece), timer)
+        for piece in joined.split(cap):
+            self.metrics.batch_rows.labels(lead.part.name).observe(piece.shape[0])
+            rows += self.runner.rows(lead.part, lead.request.with_input(piece), timer)
         if len(batch) > 1:
             for job in batch:
                 for phase, seconds in timer.phases().items():
@@ -365,30 +359,42 @@ class Scheduler:
             at += job.rows
         return outs
 
-    def _stream(self, job: Job) -> None:
-        """Decode chunk by chunk into the job's channel, serving the other queued work between
-        chunks and while the channel is full; the future resolves at the end."""
-        channel = job.channel
+    def _run_chunked(self, job: Job) -> None:
+        """Run chunk by chunk, serving the other queued work between chunks (and while a
+        stream's buffer is full): a stream's chunks go to its channel as they come, an
+        encode's are assembled at the end; the future resolves then."""
+        channel, kept = job.channel, []
         try:
-            frames = self.runner.stream(job.model, job.request, job.timer)
-            for chunk in frames:
-                if not channel.put(chunk, idle=self._serve_others):
-                    log.debug("model %s: stream dropped: %s", job.model.name, channel.dropped)
-                    frames.close()
+            chunks = self.runner.chunks(job.part, job.request, job.timer)
+            for chunk in chunks:
+                if channel is None:
+                    kept.append(chunk)
+                elif not channel.put(chunk, idle=self._serve_others):
+                    log.debug("model %s: stream dropped: %s", job.part.name, channel.dropped)
+                    chunks.close()
+                    break
+                if job.abandoned.is_set():  # its caller left: the rest is for no one
+                    chunks.close()
                     break
                 self._serve_others()
+            result = None
+            if channel is None and not job.abandoned.is_set():
+                result = self.runner.assemble(job.part, job.request, kept, job.timer)
         except Exception as exc:
-            channel.close(exc)
+            if channel is not None:
+                channel.close(exc)
             self._failed([job], exc)
             return
-        channel.close()
-        job.future.set_result(None)
+        if channel is not None:
+            channel.close()
+        if not job.future.done():
+            job.future.set_result(result)
 
     def _failed(self, batch: list[Job], exc: BaseException) -> None:
         if self._lost(exc):
             exc = DeviceLost(self.device_lost)
         else:
-            log.error("decode failed for model %s: %s", batch[0].model.name, exc)
+            log.error("%s failed for model %s: %s", batch[0].part.part, batch[0].part.name, exc)
         for job in batch:
             fail(job, exc)
 

@@ -1,12 +1,13 @@
-"""The served mode, chosen by measurement: every candidate mode decodes the gate's plain probe
+"""The served mode, chosen by measurement: every candidate mode runs the gate's plain probe
 (best of a few timed repeats, taken in turns: ``retime``); the fastest whose outputs pass the
-whole gate is served.
+whole gate is served. Decoders and encoders are chosen alike (``gate.Probes`` runs either).
 
 The candidates' order (``modes.candidate_modes``: where the CPU flags come in) only breaks
 near-ties: a later candidate must be faster by more than ``TIE`` to win over an earlier one.
-The plain-probe decode is the gate's batch-1 check, so a candidate's timing costs no extra
-decode; the rest of the gate runs only on the candidates in order of their time, until one
-passes.
+The plain-probe run is the gate's batch-1 check, so a candidate's timing costs no extra run;
+the rest of the gate runs only on the candidates in order of their time, until one passes. A
+single candidate that is the exact path itself is served unmeasured: nothing to choose, nothing
+to gate.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from app.decoders.base import VAEDecoder
+from app.families.encoder import VAEEncoder
 from app.runtime import device as devices
 from app.runtime import gate, modes
 from app.runtime.modes import Mode
@@ -32,26 +33,18 @@ TIE = 1.05  # a later candidate wins only when faster than an earlier one by mor
 # A first decode this much slower than the best: no more repeats. It spares the hopeless
 # (emulated bf16 runs ten times slower and more), not a first decode's warm-up (docs/BENCHMARKS.md).
 CLEARLY_SLOWER = 3.0
-
-
-class Timed(Protocol):
-    """A measured candidate (a decoder's or an encoder's): its best time on the probe."""
-
-    probe_seconds: float | None
-
-
-T = TypeVar("T", bound=Timed)
+ENCODER_STAGE_PREFIX = "encoder."  # an encoder's phases: encoder.conv_in, ..., encoder.normalize
 
 
 @dataclass
 class Candidate:
     mode: Mode
-    decoder: VAEDecoder | None = None
+    copy: nn.Module | None = None  # the part built in this mode (None: it failed)
     probe_seconds: float | None = None
     probe_cosine: float | None = None  # the batch-1 check
     report: gate.GateReport | None = None  # the whole gate, where it ran
     error: str = ""
-    output: Tensor | None = field(default=None, repr=False)  # the gate's batch-1 decode
+    output: Tensor | None = field(default=None, repr=False)  # the gate's batch-1 output
 
     def passed(self, min_cos: float) -> bool:
         return self.report is not None and self.report.passed(min_cos)
@@ -80,7 +73,6 @@ class Selection:
 
 def choose(
     name: str,
-    reference: VAEDecoder,
     probes: gate.Probes,
     device: torch.device,
     candidate_modes: list[Mode],
@@ -88,13 +80,17 @@ def choose(
     repeats: int = 2,
 ) -> Selection:
     """Measure every candidate, then gate them fastest first; the first that passes wins."""
+    reference = probes.reference
+    if candidate_modes == [modes.EXACT] and device.type == "cpu":
+        only = Candidate(modes.EXACT, reference, report=gate.EXACT_REPORT)
+        return Selection(only, True, "the only candidate: the exact path", [only])
     candidates = [Candidate(mode) for mode in candidate_modes]
     for candidate in candidates:
-        _measure(candidate, reference, probes, device)
-    retime(candidates, lambda c: _decode_seconds(c.decoder, probes, device)[0], repeats)
+        _measure(candidate, probes, device)
+    retime(candidates, lambda c: _run_seconds(c.copy, probes, device)[0], repeats)
     for candidate in candidates:
         log.info(
-            "model %s: candidate %s on %s: probe %s s, batch-1 cosine %s%s",
+            "%s: candidate %s on %s: probe %s s, batch-1 cosine %s%s",
             name,
             candidate.mode,
             device,
@@ -115,21 +111,21 @@ def _gate_in_order(
     for candidate in ranked(candidates):
         if candidate.probe_cosine is None or candidate.probe_cosine < min_cos:
             continue
-        candidate.report = gate.run(candidate.decoder, probes, candidate.output)
+        candidate.report = gate.run(candidate.copy, probes, candidate.output)
         if candidate.passed(min_cos):
             return Selection(candidate, True, why(candidate, candidates), candidates)
-        log.info("model %s: %s fails the gate: %s", name, candidate.mode, candidate.report)
-    failed = [c for c in candidates if c.decoder is not None] or candidates
+        log.info("%s: %s fails the gate: %s", name, candidate.mode, candidate.report)
+    failed = [c for c in candidates if c.copy is not None] or candidates
     worst = max(failed, key=lambda c: c.report.cosine if c.report else (c.probe_cosine or -1))
-    if worst.report is None and worst.decoder is not None:
-        worst.report = gate.run(worst.decoder, probes)  # the fallback's reason needs a cosine
+    if worst.report is None and worst.copy is not None:
+        worst.report = gate.run(worst.copy, probes)  # the fallback's reason needs a cosine
     return Selection(worst, False, "no candidate passes the gate", candidates)
 
 
-def ranked(candidates: list[T]) -> list[T]:
+def ranked(candidates: list[Candidate]) -> list[Candidate]:
     """Measured candidates, fastest first; within ``TIE`` the earlier in order goes first."""
     measured = [c for c in candidates if c.probe_seconds is not None]
-    out: list[T] = []
+    out: list[Candidate] = []
     remaining = list(measured)
     while remaining:
         fastest = min(c.probe_seconds for c in remaining)
@@ -139,7 +135,9 @@ def ranked(candidates: list[T]) -> list[T]:
     return out
 
 
-def retime(candidates: list[T], seconds: Callable[[T], float], repeats: int) -> None:
+def retime(
+    candidates: list[Candidate], seconds: Callable[[Candidate], float], repeats: int
+) -> None:
     """The timed repeats after each candidate's first: in turns over the candidates, so a load
     that comes and goes during the measurement falls on every candidate alike (and the first
     one does not pay the process's warm-up alone); each keeps its best. A candidate already
@@ -152,33 +150,37 @@ def retime(candidates: list[T], seconds: Callable[[T], float], repeats: int) -> 
                 candidate.probe_seconds = min(candidate.probe_seconds, seconds(candidate))
 
 
-def _measure(
-    candidate: Candidate, reference: VAEDecoder, probes: gate.Probes, device: torch.device
-) -> None:
-    """Build the candidate's copy and time its first decode of the probe (the gate's batch-1
+def _measure(candidate: Candidate, probes: gate.Probes, device: torch.device) -> None:
+    """Build the candidate's copy and time its first run of the probe (the gate's batch-1
     check)."""
+    reference = probes.reference
     try:
-        decoder = modes.build(reference, device, candidate.mode)
-        if decoder is not reference:
-            timing.instrument(decoder.stages())
-        seconds, out = _decode_seconds(decoder, probes, device)
-        candidate.decoder, candidate.probe_seconds = decoder, seconds
-        candidate.output = out
-        candidate.probe_cosine = gate.check_plain(decoder, probes, out).cosine
+        copy = modes.build(reference, device, candidate.mode)
+        if copy is not reference:
+            timing.instrument(stages(copy))
+        seconds, out = _run_seconds(copy, probes, device)
+        candidate.copy, candidate.probe_seconds, candidate.output = copy, seconds, out
+        candidate.probe_cosine = probes.check_plain(copy, out).cosine
     except Exception as exc:  # a mode this device cannot run is not a candidate
         candidate.error = f"{type(exc).__name__}: {exc}"
 
 
-def _decode_seconds(
-    decoder: VAEDecoder, probes: gate.Probes, device: torch.device
+def _run_seconds(
+    copy: nn.Module, probes: gate.Probes, device: torch.device
 ) -> tuple[float, Tensor]:
     t0 = time.perf_counter()
-    out = gate.decode_plain(decoder, probes)
+    out = probes.run_plain(copy)
     devices.synchronize(device)
     return time.perf_counter() - t0, out
 
 
-def why(chosen: Timed, candidates: list[T]) -> str:
+def stages(part: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A part's timed stages under their metric names (an encoder's are ``encoder.<stage>``)."""
+    prefix = ENCODER_STAGE_PREFIX if isinstance(part, VAEEncoder) else ""
+    return [(prefix + name, module) for name, module in part.stages()]
+
+
+def why(chosen: Candidate, candidates: list[Candidate]) -> str:
     """Why ``chosen`` won over the other measured ``candidates``."""
     others = [c for c in candidates if c is not chosen and c.probe_seconds is not None]
     if not others:

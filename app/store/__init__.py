@@ -37,9 +37,11 @@ from app.store.read import (
     list_models,
     load_encoder,
     load_model,
+    load_part,
     part_path,
     read_manifest,
     verify_entry,
+    verify_part,
 )
 from app.store.write import entry_lock, write_model
 
@@ -61,6 +63,7 @@ __all__ = [
     "list_models",
     "load_encoder",
     "load_model",
+    "load_part",
     "meta_module",
     "part_path",
     "public_source",
@@ -68,5 +71,6 @@ __all__ = [
     "read_manifest",
     "sha256_file",
     "verify_entry",
+    "verify_part",
     "write_model",
 ]

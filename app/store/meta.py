@@ -110,11 +110,10 @@ def _dtype_bytes(code: str | None, default: int) -> int:
     return _SAFETENSORS_BYTES.get(code or "", default)
 
 
-def encoder_class(family: str) -> Callable[[dict[str, Any]], nn.Module] | None:
-    """The family's encoder class when it has one (``app.encoders``), else None."""
-    from app.encoders import encoder_module
+def part_class(family_key: str, part: str) -> Callable[[dict[str, Any]], nn.Module] | None:
+    """The module class of a family's ``decoder`` or ``encoder``, or None where the family has
+    no such part; ``KeyError`` for an unknown family."""
+    from app.families import family
 
-    try:
-        return encoder_module(family).Encoder
-    except KeyError:
-        return None
+    described = getattr(family(family_key), part)
+    return None if described is None else described.module

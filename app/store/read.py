@@ -11,19 +11,17 @@ from typing import Any
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from app.decoders import family_module
-from app.decoders.base import VAEDecoder
+from app.families.decoder import VAEDecoder
 from app.store.files import (
     MANIFEST,
     NAME_RE,
     PART_FILES,
-    WEIGHTS,
     StoreError,
     entry_dir,
     refuse_link,
 )
 from app.store.manifest import Manifest, sha256_file
-from app.store.meta import checked_meta_build, encoder_class
+from app.store.meta import checked_meta_build, part_class
 
 
 def list_models(store: Path) -> list[str]:
@@ -80,6 +78,13 @@ def _part_file(name: str, manifest: Manifest, part: str) -> str:
     return file
 
 
+def verify_part(store: Path, name: str, part: str) -> Manifest:
+    """One part of an entry present and matching its hash; nothing is built."""
+    folder, manifest = read_manifest(store, name)
+    part_path(name, folder, manifest, part, verify=True)
+    return manifest
+
+
 def verify_entry(store: Path, name: str) -> Manifest:
     """Every part of an entry present and matching its hash; nothing is built."""
     folder, manifest = read_manifest(store, name)
@@ -89,28 +94,34 @@ def verify_entry(store: Path, name: str) -> Manifest:
 
 
 def load_model(store: Path, name: str, verify: bool = False) -> tuple[Manifest, VAEDecoder]:
-    """Memory-map one entry into its decoder (float32 CPU when the store holds float32). The
+    """Memory-map one entry into its decoder (float32 CPU when the store holds float32)."""
+    return load_part(store, name, "decoder", verify)
+
+
+def load_part(store: Path, name: str, part: str, verify: bool = False) -> tuple[Manifest, Any]:
+    """Memory-map one part of an entry (``decoder`` or ``encoder``) into its module. The
     config is checked against the weights file's header on the meta device first."""
     before = entry_dir(store, name)
     try:
-        return _load_decoder(store, name, verify)
+        return _load_part(store, name, part, verify)
     except StoreError:
         if entry_dir(store, name) == before:
             raise
-        return _load_decoder(store, name, verify)  # an import replaced the entry meanwhile
+        return _load_part(store, name, part, verify)  # an import replaced the entry meanwhile
 
 
-def _load_decoder(store: Path, name: str, verify: bool) -> tuple[Manifest, VAEDecoder]:
+def _load_part(store: Path, name: str, part: str, verify: bool) -> tuple[Manifest, Any]:
     folder, manifest = read_manifest(store, name)
-    weights = part_path(name, folder, manifest, "decoder", verify)
-    build = _decoder_class(name, manifest)
-    meta = checked_meta_build(f"{name}: {WEIGHTS}", lambda: build(manifest.config), weights)
+    weights = part_path(name, folder, manifest, part, verify)
+    build = _part_class(name, manifest, part)
+    config = manifest.config if part == "decoder" else manifest.encoder_config
+    meta = checked_meta_build(f"{name}: {weights.name}", lambda: build(config), weights)
     try:
         state = load_file(str(weights))  # memory-mapped, no pickle
-        decoder = _with_weights(meta, state) or _with_weights(build(manifest.config), state)
+        module = _with_weights(meta, state) or _with_weights(build(config), state)
     except Exception as exc:  # a corrupt entry must name itself, not take the service down
-        raise StoreError(f"{name}: cannot load {WEIGHTS}: {exc}") from exc
-    return manifest, decoder.eval().requires_grad_(False)
+        raise StoreError(f"{name}: cannot load {weights.name}: {exc}") from exc
+    return manifest, module.eval().requires_grad_(False)
 
 
 def _with_weights(module: nn.Module, state: dict[str, Tensor]) -> Any:
@@ -123,11 +134,14 @@ def _with_weights(module: nn.Module, state: dict[str, Tensor]) -> Any:
     return None if any(t.is_meta for t in tensors) else module
 
 
-def _decoder_class(name: str, manifest: Manifest) -> Callable[[dict[str, Any]], VAEDecoder]:
+def _part_class(name: str, manifest: Manifest, part: str) -> Callable[[dict[str, Any]], Any]:
     try:
-        return family_module(manifest.family).Decoder
+        build = part_class(manifest.family, part)
     except KeyError as exc:
         raise StoreError(f"{name}: {exc.args[0]}") from exc
+    if build is None:
+        raise StoreError(f"{name}: the {manifest.family} family has no {part}")
+    return build
 
 
 def load_encoder(
@@ -142,7 +156,7 @@ def load_encoder(
         )
     path = part_path(name, folder, manifest, "encoder", verify)
     try:
-        build = encoder_class(manifest.family)
+        build = part_class(manifest.family, "encoder")
         if build is not None:
             config = manifest.encoder_config
             checked_meta_build(f"{name}: {path.name}", lambda: build(config), path)

@@ -19,7 +19,6 @@ from typing import Any
 from safetensors.torch import save_file
 from torch import Tensor
 
-from app.decoders import family_module
 from app.store.files import (
     DTYPES,
     ENTRIES,
@@ -40,7 +39,7 @@ from app.store.files import (
     remove,
 )
 from app.store.manifest import Manifest, sha256_file
-from app.store.meta import check_shapes, encoder_class, meta_module
+from app.store.meta import check_shapes, meta_module, part_class
 
 
 @contextlib.contextmanager
@@ -100,12 +99,12 @@ def write_model(
     store = Path(store)
     check_name(name)
     parts = {"decoder": state}
-    build_decoder = lambda: family_module(family).Decoder(config)  # noqa: E731
+    build_decoder = lambda: _decoder_class(name, family)(config)  # noqa: E731
     decoder = meta_module(build_decoder, f"{name}: decoder", len(state))
     check_shapes(f"{name}: decoder", decoder, _shapes(state))
     if encoder_state is not None:
         parts["encoder"] = encoder_state
-        build = encoder_class(family)
+        build = part_class(family, "encoder")
         if build is not None:  # an encoder family to check against; else stored as given
             build_encoder = lambda: build(encoder_config or config)  # noqa: E731
             module = meta_module(build_encoder, f"{name}: encoder", len(encoder_state))
@@ -225,3 +224,10 @@ def _dominant_dtype(state: dict[str, Tensor]) -> str:
             counts[name] = counts.get(name, 0) + v.numel()
     best = max(counts, key=counts.get) if counts else "float32"
     return best if best in DTYPES else "float32"
+
+
+def _decoder_class(name: str, family: str) -> Callable[[dict[str, Any]], Any]:
+    try:
+        return part_class(family, "decoder")
+    except KeyError as exc:
+        raise StoreError(f"{name}: {exc.args[0]}") from exc

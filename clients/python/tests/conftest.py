@@ -43,7 +43,7 @@ def flux_server(flux_store) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def video_server(tmp_path_factory) -> Iterator[str]:
-    from app.decoders import minimax_h3
+    from app.families.minimax_h3 import decoder as minimax_h3
 
     store = tmp_path_factory.mktemp("video-store")
     live.bake(store, "minimax-h3", "video-tiny", minimax_h3.SYNTHETIC["minimax-h3-tiny"])

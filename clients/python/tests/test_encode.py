@@ -174,9 +174,9 @@ def test_file_responses():
 @pytest.fixture(scope="module")
 def encoder_store(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     """flux-tiny with a seeded encoder, and flux-dec: the same decoder, no encoder."""
-    from app.decoders import flux as flux_decoder
-    from app.encoders import flux
-    from app.encoders.flux.model import ENCODER_CONFIG
+    from app.families.flux import decoder as flux_decoder
+    from app.families.flux import encoder as flux
+    from app.families.flux.encoder.model import ENCODER_CONFIG
     from app.store import write_model
 
     from tests import live

@@ -1,0 +1,107 @@
+"""``bake`` and ``import``: the commands that write the model store, from the families'
+descriptors (their embedded recipes and their checkpoint converters)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def bake(args: argparse.Namespace) -> int:
+    """Write each embedded model (``--only``: those named, baked by default or not)."""
+    import torch
+
+    from app.families import families
+    from app.runtime.references import store_references
+    from app.store import write_model
+
+    store = Path(args.models_dir)
+    for key, family in families().items():
+        recipes = family.synthetic if args.only else family.baked()
+        for name, recipe in recipes.items():
+            if (args.only and name not in args.only) or (_complete(store, name) and not args.force):
+                continue
+            decoder = family.decoder.module(recipe.config)
+            family.decoder.init_synthetic(decoder, torch.Generator().manual_seed(0))
+            encoder_state = None
+            if recipe.encoder_config is not None and family.encoder is not None:
+                encoder = family.encoder.module(recipe.encoder_config)
+                family.encoder.init_synthetic(encoder, torch.Generator().manual_seed(1))
+                encoder_state = encoder.state_dict()
+            write_model(
+                store,
+                name,
+                key,
+                recipe.config,
+                decoder.state_dict(),
+                source="synthetic:seed=0",
+                dtype="float32",
+                encoder_state=encoder_state,
+                encoder_config=recipe.encoder_config if encoder_state is not None else None,
+            )
+            parts = "decoder+encoder" if encoder_state is not None else "decoder"
+            refs = "" if args.no_references else f", {store_references(store, name)}"
+            print(f"baked {name} ({key}, {parts}) into {args.models_dir}/{name}{refs}")
+    return 0
+
+
+def _complete(store: Path, name: str) -> bool:
+    """An entry bake may skip: every part present and matching the manifest's hashes."""
+    from app.store import StoreError, verify_entry
+
+    if not (store / name).exists():
+        return False
+    try:
+        verify_entry(store, name)
+        return True
+    except StoreError as exc:
+        print(f"rebaking {name}: {exc}", file=sys.stderr)
+        return False
+
+
+def import_checkpoint(args: argparse.Namespace) -> int:
+    """Convert a checkpoint once into the store: its decoder, and its encoder where the family
+    has one and the checkpoint holds it."""
+    from app.families import family
+    from app.runtime.references import store_references
+    from app.store import StoreError, write_model
+
+    described = family(args.family)
+    config, state = described.decoder.convert(args.source)
+    encoder_config, encoder_state = _convert_encoder(described.encoder, args.source)
+    try:
+        manifest = write_model(
+            Path(args.models_dir),
+            args.name,
+            args.family,
+            config,
+            state,
+            source=str(args.source.resolve()),
+            dtype=args.dtype,
+            encoder_state=encoder_state,
+            encoder_config=encoder_config,
+        )
+    except StoreError as exc:
+        print(f"import refused: {exc}", file=sys.stderr)
+        return 2
+    refs = store_references(Path(args.models_dir), manifest.name)  # the gate's outputs
+    print(
+        f"imported {args.source} as {manifest.name} ({manifest.family}, {manifest.dtype}, "
+        f"parts {'+'.join(manifest.parts)}, sha256 {manifest.sha256[:12]}; {refs})"
+    )
+    return 0
+
+
+def _convert_encoder(part: Any, source: Path) -> tuple[dict | None, dict | None]:
+    """The checkpoint's encoder, where the family has one and ``convert`` finds it (it returns
+    ``(config, state)``, or None or ``ValueError`` for none); else (None, None)."""
+    if part is None:
+        return None, None
+    try:
+        found = part.convert(source)
+    except (ValueError, FileNotFoundError) as exc:  # no encoder in the checkpoint
+        print(f"no encoder imported: {exc}", file=sys.stderr)
+        return None, None
+    return found if found is not None else (None, None)

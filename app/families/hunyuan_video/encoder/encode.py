@@ -1,0 +1,169 @@
+"""The HunyuanVideo encoder family: ``Encoder`` over ``model.EncoderNet``, with the
+reference's temporal windows and spatial tiles.
+
+Options of ``moments`` / ``encode`` (unknown ones are ignored):
+  framewise (bool, default True, as the reference): a clip longer than
+      ``tile_sample_frames`` (16) frames is encoded in windows of that many + 1 frames every
+      ``tile_sample_frame_stride`` (12) frames; each window but the first drops its first
+      latent frame and is blended over the overlap's latent frames into the one before.
+  tiled (bool): diffusers' spatial tiles (``enable_tiling``), ``tile_sample_size`` /
+      ``tile_sample_stride`` pixels (default 256 / 192); only where the frame is larger
+      than one tile (inside each window when both apply).
+A clip of ``1 + 4k`` frames gives ``1 + k`` latent frames.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from app.families import encoding
+from app.families.encoder import VAEEncoder
+from app.families.encoder_memory import Level, peak_values
+from app.families.hunyuan_video.encoder.model import EncoderNet, EncoderSpec, down_strides
+
+SCALING_FACTOR = 0.476986  # HunyuanVideo's published latent scale
+TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
+TILE_SAMPLE_STRIDE = 192  # diffusers' tile_sample_stride_height / _width
+TILE_SAMPLE_FRAMES = 16  # diffusers' tile_sample_min_num_frames
+TILE_SAMPLE_FRAME_STRIDE = 12  # diffusers' tile_sample_stride_num_frames
+# maps of a level's width live at once per frame in one of its resnets: measured, with a
+# margin (docs/encoders.md, "Memory")
+MAPS_PER_FRAME = 7.5
+
+# diffusers' AutoencoderKLHunyuanVideo defaults for the encoder half
+DEFAULTS: dict[str, Any] = {
+    "in_channels": 3,
+    "latent_channels": 16,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "scaling_factor": SCALING_FACTOR,
+    "spatial_compression_ratio": 8,
+    "temporal_compression_ratio": 4,
+    "mid_block_add_attention": True,
+}
+
+
+def encoder_spec(c: dict[str, Any]) -> EncoderSpec:
+    widths = tuple(int(w) for w in c["block_out_channels"])
+    strides = down_strides(
+        len(widths), int(c["spatial_compression_ratio"]), int(c["temporal_compression_ratio"])
+    )
+    return EncoderSpec(
+        in_channels=int(c["in_channels"]),
+        latent_channels=int(c["latent_channels"]),
+        widths=widths,
+        layers=int(c["layers_per_block"]),
+        groups=int(c["norm_num_groups"]),
+        strides=tuple(strides),
+        attention=bool(c["mid_block_add_attention"]),
+    )
+
+
+class Encoder(VAEEncoder):
+    """``moments`` equals ``AutoencoderKLHunyuanVideo.encode(x).latent_dist.parameters``."""
+
+    is_video = True
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__({**DEFAULTS, **config})
+        self.spec = encoder_spec(self.config)
+        self.encoder = EncoderNet(self.spec)
+        z2 = 2 * self.spec.latent_channels
+        self.quant_conv = nn.Conv3d(z2, z2, 1)
+
+    # --- geometry ------------------------------------------------------------------------
+    @property
+    def latent_channels(self) -> int:
+        return self.spec.latent_channels
+
+    def _product(self, axis: int) -> int:
+        out = 1
+        for s in self.spec.strides:
+            out *= s[axis] if s else 1
+        return out
+
+    @property
+    def spatial_scale(self) -> int:
+        return self._product(1)
+
+    @property
+    def temporal_scale(self) -> int:
+        return self._product(0)
+
+    def latent_frames(self, frames: int) -> int:
+        for s in self.spec.strides:
+            if s and s[0] == 2:
+                frames = (frames - 1) // 2 + 1
+        return frames
+
+    # --- encoding ------------------------------------------------------------------------
+    @torch.no_grad()
+    def moments(self, x: Tensor, **options: Any) -> Tensor:
+        x, image = encoding.as_clip(
+            x, self.quant_conv.weight, self.spec.in_channels, self.spatial_scale
+        )
+        frames = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
+        if options.get("framewise", True) and x.shape[2] > frames:
+            m = self._windows(x, options)
+        else:
+            m = self._frame(x, options)
+        return m[:, :, 0] if image else m
+
+    def _pass(self, x: Tensor) -> Tensor:
+        return self.quant_conv(self.encoder(x))
+
+    def _frame(self, x: Tensor, options: dict[str, Any]) -> Tensor:
+        """One window: spatial tiles when asked and the frame is larger than one."""
+        size = int(options.get("tile_sample_size") or TILE_SAMPLE_SIZE)
+        stride = int(options.get("tile_sample_stride") or TILE_SAMPLE_STRIDE)
+        if options.get("tiled") and max(x.shape[-2:]) > size:
+            ratio = int(self.config["spatial_compression_ratio"])
+            return encoding.tiled(self._pass, x, ratio, size, stride)
+        return self._pass(x)
+
+    def _windows(self, x: Tensor, options: dict[str, Any]) -> Tensor:
+        """The reference's temporal windows, blended over their overlap (in latent frames)."""
+        ratio = int(self.config["temporal_compression_ratio"])
+        size = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
+        step = int(options.get("tile_sample_frame_stride") or TILE_SAMPLE_FRAME_STRIDE)
+        return encoding.temporal_windows(partial(self._frame, options=options), x, ratio, size, step)
+
+    def normalize(self, z: Tensor) -> Tensor:
+        """HunyuanVideo pipelines' ``z * scaling_factor``."""
+        return z * float(self.config["scaling_factor"])
+
+    def stages(self) -> list[tuple[str, nn.Module]]:
+        net = self.encoder
+        head = [net.conv_norm_out, net.conv_act, net.conv_out, self.quant_conv]
+        return encoding.stages([net.conv_in], net.down_blocks, net.mid_block, head)
+
+    def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
+        """One pass's widest level (``memory``) over one window (``TILE_SAMPLE_FRAMES`` + 1
+        frames, or the whole clip when it is no longer), and the moments (the windows', the
+        kept ones and their concatenation). Attention holds O(T*H*W) (``attend``)."""
+        b, frames = input_shape[0], input_shape[2] if len(input_shape) == 5 else 1
+        pixels = b * math.prod(input_shape[-2:])
+        window = frames if frames <= TILE_SAMPLE_FRAMES else TILE_SAMPLE_FRAMES + 1
+        values = peak_values(self._levels(window, pixels), MAPS_PER_FRAME)
+        cells = self.latent_frames(frames) * pixels // self.spatial_scale**2
+        return (values + 3 * 2 * self.spec.latent_channels * cells) * element_size
+
+    def _levels(self, frames: int, pixels: int) -> list[Level]:
+        levels = []
+        for width, stride in zip(self.spec.widths, self.spec.strides, strict=True):
+            levels.append(Level(width, frames, pixels))
+            if stride is not None:
+                frames = (frames - 1) // stride[0] + 1
+                pixels //= stride[1] * stride[2]
+        return levels
+
+    def probe_input(self, generator: torch.Generator) -> Tensor:
+        side = self.spatial_scale * 4
+        shape = (1, 3, 1 + self.temporal_scale, side, side)
+        return torch.rand(shape, generator=generator) * 2 - 1
