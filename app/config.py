@@ -56,6 +56,13 @@ class Settings(BaseSettings):
     max_pixels: int = 2048 * 2048
     max_frames: int = 257
     max_body_mb: int = 256
+    bodies_mb: int = Field(
+        1024,
+        ge=1,
+        description="request body bytes in flight at once, all requests together: reserved "
+        "before a body is read (by its Content-Length; a chunked one as it grows), else 429, "
+        "or 413 for a body larger than this",
+    )
     max_output_mb: int = Field(1024, ge=1, description="response body bytes per request, else 413")
     max_decode_mb: int = Field(
         16384, ge=1, description="the decoder's estimated working memory per request, else 413"
@@ -64,7 +71,9 @@ class Settings(BaseSettings):
     header_timeout_s: float = Field(10.0, gt=0, description="a request's headers, else 408")
     max_request_timeout_s: float = Field(300.0, gt=0, description="cap on a request's deadline")
     retry_after_s: int = Field(1, ge=1)
-    drain_grace_s: float = Field(10.0, ge=0, description="SIGTERM: finish queued work this long")
+    drain_grace_s: float = Field(
+        10.0, ge=0, description="SIGTERM: the process has exited this long after the signal"
+    )
     stream_stall_s: float = Field(60.0, gt=0, description="an MP4 reader this slow is dropped")
     stream_buffer_mb: int = Field(256, ge=1, description="decoded frames buffered per MP4 stream")
     stream_wait_s: float = Field(

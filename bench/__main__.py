@@ -1,33 +1,42 @@
-"""python -m bench FAMILY [options]: see each bench module's docstring."""
+"""python -m bench COMMAND [options]: see each bench module's docstring.
+
+The commands are the tools (``TOOLS``) and every family's bench modules, named as the family
+descriptors' ``bench`` rows name them (``app.families``): a family's bench is listed here by
+its descriptor alone. (``python -m bench.stream_ends`` is run on its own: it measures with
+the test helpers of ``tests/``, which an installed copy does not have.)
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 
-BENCHES = {
+TOOLS = {
     "all": "bench.table",
-    "profile": "bench.profile",
     "encode": "bench.encode",
-    "flux": "bench.flux",
-    "hunyuan-video": "bench.hunyuan_video",
-    "ltx": "bench.ltx",
-    "ltx2": "bench.ltx2",
-    "minimax-h3": "bench.minimax_h3",
     "png": "bench.png",
+    "profile": "bench.profile",
     "series": "bench.series",
     "startup": "bench.startup",
-    "taesd": "bench.taesd",
-    "wan": "bench.wan",
     "winograd-bf16": "bench.winograd_bf16",
 }
 
 
+def benches() -> dict[str, str]:
+    """Command -> bench module: the tools, then every family's bench rows (descriptors)."""
+    from app.families import families  # torch: only when the command list is wanted
+
+    rows = {row: module for f in families().values() for row, module in f.bench.items()}
+    if clash := TOOLS.keys() & rows.keys():
+        raise ValueError(f"family bench rows named as tools: {sorted(clash)}")
+    return {**TOOLS, **rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench")
-    sub = parser.add_subparsers(dest="family", required=True)
+    sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
-    for name, path in BENCHES.items():
+    for name, path in benches().items():
         try:
             modules[name] = importlib.import_module(path)
         except ModuleNotFoundError as exc:  # the peer (diffusers) is a test extra: skip only that
@@ -38,7 +47,8 @@ def main() -> None:
             sub.add_parser(name, help=modules[name].__doc__.splitlines()[0])
         )
     args = parser.parse_args()
-    modules[args.family].run(args)
+    modules[args.command].run(args)
 
 
-main()
+if __name__ == "__main__":
+    main()

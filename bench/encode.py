@@ -3,19 +3,24 @@
     python -m bench encode [--quick] [--repeats 2] [--threads N] [--only FAMILY ...]
                            [--force-bf16]
 
-One row per family (``FAMILIES``), each measured in its own subprocess (its models freed
-before the next family loads). diffusers is measured as a user would set it up: float32,
-float32 with channels_last (``channels_last_3d`` for video), bf16 (skipped when this
-machine's bf16 GEMM runs below 1/4 of float32's: emulated); its fastest setting is the row's
-peer. The service side is our exact float32 encoder and the copy the service serves on this
-machine (``app/runtime/encoders.select``: every candidate mode timed on the probe, the fastest
-that passes the gate; the row names it and each candidate's probe time). The cosine is our
-exact encode's moments against diffusers float32's (same weights: the check that the row
-compares like with like), and the served copy's against our exact one's. Variants take turns each round (``common.interleaved``), so a load change
-on a shared machine lands on all alike.
+One row per family with an encoder (``setups()``, from the family descriptors), each measured
+in its own subprocess (its models freed before the next family loads): the family's peer
+setup in ``PEERS`` where it has one, else its served encode alone (``served_only``: its first
+embedded model with an encoder, seeded, encoding its gate probe image; no peer, no ratio).
+diffusers is measured as a user would set it up: float32, float32 with channels_last
+(``channels_last_3d`` for video), bf16 (skipped when this machine's bf16 GEMM runs below 1/4
+of float32's: emulated); its fastest setting is the row's peer. The service side is our exact
+float32 encoder and the copy the service serves on this machine (chosen as every part is:
+``gate.probes_for`` + ``selection.choose``, every candidate mode timed on the probe, the
+fastest that passes the gate; the row names it and each candidate's probe time). The cosine
+is our exact encode's moments against diffusers float32's (same weights: the check that the
+row compares like with like), and the served copy's against our exact one's. Variants take
+turns each round (``common.interleaved``), so a load change on a shared machine lands on all
+alike.
 
 Shapes (``--quick`` / default): FLUX.1 (full ``AutoencoderKL`` encoder: 16 ch, widths
-128/256/512/512, seeded trained-like weights) 256 / 512 px; TAEF2 512 / 1024 px with the
+128/256/512/512, seeded trained-like weights) 256 / 512 px; TAEF2 (the ``taesd`` row)
+512 / 1024 px with the
 real encoder when ``../shared/weights/taef2/taef2_encoder.pth`` exists (diffusers'
 ``AutoencoderTiny`` cannot hold TAEF2's pool branch: the same-weights peer is the
 checkpoint's own flat ``nn.Sequential``, madebyollin's layout, and diffusers' pool-less
@@ -35,6 +40,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -42,18 +48,20 @@ from diffusers import AutoencoderKL, AutoencoderTiny
 from torch import nn
 
 from app.config import Settings
-from app.families.ops import cosine
-from app.families.flux import encoder as flux
-from app.families.taesd import encoder as taesd
+from app.families import families, family
 from app.families.encoder import VAEEncoder
+from app.families.flux import encoder as flux
 from app.families.flux.encoder.model import ENCODER_CONFIG
-from app.runtime import encoders
+from app.families.ops import cosine
+from app.families.taesd import encoder as taesd
+from app.runtime import gate, modes, selection
 from bench import common
 
 TAEF2_WEIGHTS = Path(__file__).resolve().parents[2] / "shared/weights/taef2/taef2_encoder.pth"
 CPU = torch.device("cpu")
 Encode = Callable[[], torch.Tensor]
 EMULATED = "skipped: bf16 emulated"
+NO_PEER = "no peer"  # a family without a peer setup here: its served encode alone
 MIN_COS = Settings.model_fields["parity_min_cos"].default
 SAME_WEIGHTS = "madebyollin Sequential (same weights)"
 
@@ -65,7 +73,8 @@ class Setup:
     shape: str
     ours: VAEEncoder
     x: torch.Tensor
-    peers: dict[str, Callable[[], Encode]]  # setting -> make() -> encode() (moments)
+    # setting -> make() -> encode() (moments); empty: no peer (``served_only``)
+    peers: dict[str, Callable[[], Encode]]
     # settings listed beside the peers but not comparable (other weights): no cosine, no peer
     others: dict[str, Callable[[], Encode]] = field(default_factory=dict)
 
@@ -241,9 +250,10 @@ def minimax_h3_setup(quick: bool) -> Setup:
     return _video_setup("MiniMax-H3", minimax_h3, AutoencoderKLMiniMaxH3, tiny_decoder, shape)
 
 
-FAMILIES: dict[str, Callable[[bool], Setup]] = {
+# the families measured against a peer, by family key (the rest: ``served_only``)
+PEERS: dict[str, Callable[[bool], Setup]] = {
     "flux": flux_setup,
-    "taef2": taef2_setup,
+    "taesd": taef2_setup,
     "ltx": ltx_setup,
     "wan": wan_setup,
     "hunyuan-video": hunyuan_video_setup,
@@ -251,19 +261,46 @@ FAMILIES: dict[str, Callable[[bool], Setup]] = {
 }
 
 
+def setups() -> dict[str, Callable[[bool], Setup]]:
+    """Family key -> setup(quick), for every family with an encoder (the descriptors)."""
+    return {
+        key: PEERS.get(key, partial(served_only, key))
+        for key, described in families().items()
+        if described.encoder is not None
+    }
+
+
+def served_only(key: str, quick: bool) -> Setup:
+    """A family without a peer setup: its first embedded model with an encoder (seeded, as
+    ``bake --synthetic`` writes it) on its gate probe image; the probe's size whatever
+    ``quick``."""
+    described = family(key)
+    recipes = [(n, r) for n, r in described.synthetic.items() if r.encoder_config is not None]
+    if described.encoder is None or not recipes:
+        raise ValueError(f"family {key!r} embeds no encoder to bench")
+    name, recipe = recipes[0]
+    ours = described.encoder.module(dict(recipe.encoder_config))
+    described.encoder.init_synthetic(ours, torch.Generator().manual_seed(0))
+    ours = _frozen(ours)
+    x = gate.probes_for(ours).plain
+    return Setup(f"{name}, probe {'x'.join(map(str, x.shape))}", ours, x, {})
+
+
 # --- one family's row -----------------------------------------------------------------------
-def served_copy(family: str, ours: VAEEncoder) -> encoders.ServedEncoder:
-    """What the service serves for ``ours`` on this CPU with ``VAE_DTYPE=auto``."""
-    served = encoders.ServedEncoder(family, ours, ours, CPU, 1.0, False)
-    encoders.select(served, encoders.Policy("auto", MIN_COS, repeats=2))
-    return served
+def served_copy(ours: VAEEncoder) -> tuple[nn.Module, selection.Selection]:
+    """What the service serves for ``ours`` on this CPU with ``VAE_DTYPE=auto`` (the copy, and
+    how it was chosen): chosen as every part is, the exact encoder where no candidate passes."""
+    probes = gate.probes_for(ours)
+    candidates = modes.candidate_modes("auto", CPU)
+    chosen = selection.choose(ours.family, probes, CPU, candidates, MIN_COS, repeats=2)
+    return (chosen.chosen.copy if chosen.passed else ours), chosen
 
 
 @torch.inference_mode()
 def measure(family: str, quick: bool, repeats: int, skip_bf16: bool) -> dict:
     """Median seconds of every diffusers setting (or why skipped), of our exact encode and
     of the served copy; the fastest peer; the cosines of ours vs the first peer (fp32)."""
-    setup = FAMILIES[family](quick)
+    setup = setups()[family](quick)
     fns: dict[str, Encode] = {}
     peers: dict[str, float | str] = {}
     for setting, make in setup.peers.items():
@@ -273,8 +310,7 @@ def measure(family: str, quick: bool, repeats: int, skip_bf16: bool) -> dict:
             fns[setting] = make()
     others = {name: make() for name, make in setup.others.items()}
     ours = setup.ours
-    served = served_copy(family, ours)
-    active = served.active
+    active, chosen = served_copy(ours)
     fns["service exact fp32"] = lambda: ours.moments(setup.x)
     if active is not ours:
         x = setup.x.to(next(active.parameters()).dtype)
@@ -286,24 +322,24 @@ def measure(family: str, quick: bool, repeats: int, skip_bf16: bool) -> dict:
     other_times = {k: times.pop(k) for k in others}
     peers.update(times)
     timed = {k: v for k, v in peers.items() if isinstance(v, float)}
-    best = min(timed, key=timed.get)
+    best = min(timed, key=timed.get) if timed else None
     ours_name = "service served" if "service served" in service else "service exact fp32"
     exact = outputs["service exact fp32"]
-    reference = outputs[next(iter(setup.peers))]
+    reference = outputs.get(next(iter(setup.peers), ""))
     return {
         "family": family,
         "shape": setup.shape,
         "peers": peers,
         "others": other_times,
-        "best": best,
-        "best_s": timed[best],
+        "best": best or NO_PEER,
+        "best_s": timed.get(best),
         "service": service,
-        "served": served.describe()["mode"],
-        "served_why": served.why,
-        "candidates": {str(c.mode): c.probe_seconds for c in served.candidates},
+        "served": str(chosen.chosen.mode) if chosen.passed else f"{modes.EXACT} (fallback)",
+        "served_why": chosen.why,
+        "candidates": {str(c.mode): c.probe_seconds for c in chosen.candidates},
         "ours_s": service[ours_name],
-        "ratio": timed[best] / service[ours_name],
-        "cos": cosine(exact, reference),
+        "ratio": timed[best] / service[ours_name] if best else None,
+        "cos": cosine(exact, reference) if reference is not None else None,
         "cos_served": cosine(outputs[ours_name], exact),
     }
 
@@ -326,15 +362,21 @@ def format_table(rows: list[dict]) -> str:
             for k, v in {**r["peers"], **r["others"]}.items()
         )
         lines.append(
-            f"| {r['family']} | {r['shape']} | {r['best']} | {r['best_s']:.2f} "
+            f"| {r['family']} | {r['shape']} | {r['best']} | {_num(r['best_s'], '.2f')} "
             f"| {r['service']['service exact fp32']:.2f} | {r['ours_s']:.2f} ({r['served']}) "
-            f"| {r['ratio']:.2f}x | {r['cos']:.7f} | {r['cos_served']:.7f} | {settings} |"
+            f"| {_num(r['ratio'], '.2f', 'x')} | {_num(r['cos'], '.7f')} "
+            f"| {r['cos_served']:.7f} | {settings or 'none (no peer setup)'} |"
         )
         probes = ", ".join(
             f"{mode} {'-' if t is None else f'{t:.3f} s'}" for mode, t in r["candidates"].items()
         )
         notes.append(f"{r['family']}: served {r['served']} ({r['served_why']}); probe: {probes}")
     return "\n".join(lines + [""] + notes)
+
+
+def _num(x: float | None, spec: str, unit: str = "") -> str:
+    """A number of the table, blank where the row has none (no peer: no ratio, no cosine)."""
+    return "" if x is None else f"{x:{spec}}{unit}"
 
 
 def run(args: argparse.Namespace) -> None:
@@ -360,8 +402,8 @@ def run(args: argparse.Namespace) -> None:
 def rows(args: argparse.Namespace, emulated: bool) -> list[dict]:
     """Each family's row from its own subprocess (``--child``)."""
     out = []
-    for family in args.only or FAMILIES:
-        command = [sys.executable, "-m", "bench", "encode", "--child", family]
+    for name in args.only or setups():
+        command = [sys.executable, "-m", "bench", "encode", "--child", name]
         command += ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
         if args.threads:
             command += ["--threads", str(args.threads)]
@@ -370,12 +412,14 @@ def rows(args: argparse.Namespace, emulated: bool) -> list[dict]:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["?"])[-1]
-            out.append({"family": family, "error": last[:200]})
+            out.append({"family": name, "error": last[:200]})
         else:
             out.append(json.loads(done.stdout.strip().splitlines()[-1]))
         r = out[-1]
-        note = r.get("error") or f"{r['ratio']:.2f}x of {r['best']}"
-        print(f"  encode {family:14s} {note}", file=sys.stderr, flush=True)
+        note = r.get("error") or (
+            f"{r['ratio']:.2f}x of {r['best']}" if r["ratio"] is not None else NO_PEER
+        )
+        print(f"  encode {name:14s} {note}", file=sys.stderr, flush=True)
     return out
 
 
@@ -383,7 +427,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes (see the docstring)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--only", nargs="*", choices=list(FAMILIES), help="families to run")
+    parser.add_argument("--only", nargs="*", choices=list(setups()), help="families to run")
     parser.add_argument("--force-bf16", action="store_true", help="run bf16 even when emulated")
     parser.add_argument("--skip-bf16", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)

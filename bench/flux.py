@@ -23,7 +23,7 @@ from app.families.flux.decoder.model import FLUX1_CONFIG
 from app.families.ops import cosine
 from app.runtime import modes
 from app.runtime.device import cpu_has_fast_bf16
-from bench import common
+from bench import common, table
 
 
 def build(seed: int = 0) -> tuple[flux.Decoder, AutoencoderKL]:
@@ -180,6 +180,21 @@ def _child(args, ours, ref, z, device) -> None:
     if "banded" in args.child and not args.no_cos:  # the memory-saving path: still the same decode
         result["cos"] = cosine(out.float(), ours.decode(z))
     print(json.dumps(result))
+
+
+# --- the row of ``python -m bench all`` (bench/table.py) ------------------------------------
+def table_setup(scale: str) -> table.Setup:
+    """FLUX.1 at ``scale``: diffusers' fp32, fp32+CL and bf16+CL settings, and the served path."""
+    size = {"tiny": 32, "quick": 256, "full": 512}[scale]  # at 128 per-call costs dominate
+    ours, ref = build()
+    z = torch.randn(1, 16, size // 8, size // 8, generator=torch.Generator().manual_seed(1))
+    v = variants(ours, ref, table.CPU)
+    peers = {k: v[f"diffusers {k}"] for k in ("fp32", "fp32+CL", "bf16+CL")}
+    return table.Setup(
+        f"FLUX.1 {size}x{size}",
+        {k: (lambda make=make: table.bind(make(), z)) for k, make in peers.items()},
+        table.served_path(ours, lambda m: m.decode(z)),
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

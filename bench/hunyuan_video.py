@@ -33,7 +33,7 @@ from diffusers import AutoencoderKLHunyuanVideo
 from app.families.hunyuan_video import decoder as hunyuan_video
 from app.media import mp4
 from app.runtime import modes
-from bench import common
+from bench import common, table
 
 CONFIG = {
     **hunyuan_video.SYNTHETIC["hunyuan-video-tiny"],
@@ -161,6 +161,17 @@ def _child(args: argparse.Namespace) -> None:
     make = variants(args)[args.child]
     warm = torch.randn(1, CONFIG["latent_channels"], 1, 2, 2)
     common.child(make, warm, latent(args.frames, args.size), args)
+
+
+# --- the row of ``python -m bench all`` (bench/table.py) ------------------------------------
+def table_setup(scale: str) -> table.Setup:
+    """HunyuanVideo at ``scale``: diffusers' fp32, fp32+CL3d and bf16, and the served path."""
+    frames, size = {"tiny": (1, 16), "quick": (2, 64), "full": (5, 256)}[scale]
+    build = table.once(build_ours)
+    z = latent(frames, size)
+    shape = f"{build().frames_out(frames)}x{size}x{size}"
+    args = argparse.Namespace(tiled=False)
+    return table.video(variants(args, build), table.PEER_NAMES, build, z, shape, {})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

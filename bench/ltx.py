@@ -44,7 +44,7 @@ from app.families.ltx import decoder as ltx
 from app.families.ltx.decoder.model import DEFAULTS
 from app.media import mp4
 from app.runtime import modes
-from bench import common
+from bench import common, table
 
 CONFIG_091 = {
     **DEFAULTS,
@@ -203,6 +203,17 @@ def _spawn(args: argparse.Namespace, name: str, out: Path) -> dict:
 def _child(args: argparse.Namespace) -> None:
     make = variants(args.chunk)[args.child]
     common.child(make, torch.randn(1, 128, 1, 2, 2), latent(args.frames, args.size), args)
+
+
+# --- the row of ``python -m bench all`` (bench/table.py) ------------------------------------
+def table_setup(scale: str) -> table.Setup:
+    """LTX-Video 0.9.1 at ``scale``: diffusers' fp32, fp32+CL3d and bf16, and the served path."""
+    frames, size = {"tiny": (1, 32), "quick": (2, 128), "full": (3, 256)}[scale]
+    build = table.once(build_ours)
+    z = latent(frames, size)
+    shape = f"0.9.1, {build().frames_out(frames)}x{size}x{size}"
+    opts = {"timestep": TIMESTEP, "seed": SEED}
+    return table.video(variants(1, build), table.PEER_NAMES, build, z, shape, opts)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from app.families.ltx import decoder as ltx
 from app.families.ltx.decoder import ltx2
+from bench import table
 
 CONFIG = ltx.SYNTHETIC["ltx2-tiny"]
 RELEASED = ltx2.DEFAULTS  # the released LTX-2 decoder's architecture
@@ -81,6 +82,36 @@ def run(args: argparse.Namespace) -> None:
         ).item()
         err = (got - expected).abs().max().item()
         print(f"ours chunk_frames={chunk}: {t_ours:.3f} s, cos {cos:.12f}, max-abs {err:.1e}")
+
+
+# --- the row of ``python -m bench all`` (bench/table.py) ------------------------------------
+def table_setup(scale: str) -> table.Setup:
+    """LTX-2 at ``scale``: diffusers' fp32, fp32+CL3d and bf16, and the served path."""
+    # the released architecture (a tiny one decodes in milliseconds: per-call costs only)
+    frames, size = {"tiny": (2, 2), "quick": (2, 4), "full": (3, 8)}[scale]
+    ours = build_ours(config=None if scale == "tiny" else RELEASED)
+    z = latent(ours, frames, size)
+
+    def peer(dtype: torch.dtype, channels_last: bool) -> Callable[[], table.Decode]:
+        def make() -> table.Decode:
+            ref = build_peer(ours).to(dtype=dtype)
+            if channels_last:
+                ref = ref.to(memory_format=torch.channels_last_3d)
+            return lambda: peer_decode(ref, z)
+
+        return make
+
+    px = size * ours.spatial_scale
+    arch = "ltx2-tiny arch" if scale == "tiny" else "LTX-2"
+    return table.Setup(
+        f"{arch}, {ours.frames_out(frames)}x{px}x{px}",
+        {
+            "fp32": peer(torch.float32, False),
+            "fp32+CL3d": peer(torch.float32, True),
+            "bf16": peer(torch.bfloat16, False),
+        },
+        table.served_path(ours, lambda m: m.decode(z, timestep=TIMESTEP, seed=SEED)),
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

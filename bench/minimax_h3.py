@@ -39,7 +39,7 @@ from app.families.minimax_h3 import decoder as mm
 from app.families.minimax_h3.decoder.model import DEFAULTS, rope_tables
 from app.families.ops import cosine
 from app.runtime import modes
-from bench import common
+from bench import common, table
 
 GRID = (7, 16, 16)  # latent (t, h, w) of one tile clip: 5 + 2 tokens, 256 px / 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -201,6 +201,45 @@ def _report(rows: list, outputs: dict, args: argparse.Namespace) -> None:
     )
     if any(r[4] > 1 for r in rows):
         print("warning: above 100% of the GEMM rate: the machine was loaded while it was measured")
+
+
+# --- the row of ``python -m bench all`` (bench/table.py) ------------------------------------
+def table_setup(scale: str) -> table.Setup:
+    """One ViT3D block over one tile clip (``tiny``: 64 tokens): diffusers' block in fp32 and
+    bf16 against the served copy's, compared on the block's residual update."""
+    decoder = build(1)
+    cfg = decoder.config
+    dim = cfg["decoder_num_attention_heads"] * cfg["decoder_attention_head_dim"]
+    n = tokens(cfg) if scale != "tiny" else 64
+    x = torch.randn(1, n, dim, generator=torch.Generator().manual_seed(1))
+    ours_rope = decoder.rope(GRID, table.CPU)
+    theirs_rope = peer_rope(cfg, table.CPU)
+    if scale == "tiny":  # the rope tables cut to n tokens
+        ours_rope = tuple(t[:n] for t in ours_rope)
+        theirs_rope = tuple(t[:, :n] for t in theirs_rope)
+
+    def update(fn: table.Decode) -> table.Decode:
+        return lambda: fn() - x  # a block's residual update: the output minus its input
+
+    def peer(dtype: torch.dtype) -> Callable[[], table.Decode]:
+        def make() -> table.Decode:
+            model = decoder if dtype == torch.float32 else copy.deepcopy(decoder).to(dtype)
+            blocks = peer_blocks(model.decoder.transformer_blocks, cfg)
+            return update(stack(blocks, x, theirs_rope))  # x float32, as the bench
+
+        return make
+
+    def served(choose: table.Choose) -> tuple[str, table.Decode, int]:
+        mode = choose(decoder)
+        model = modes.build(decoder, table.CPU, mode)
+        decode = update(stack(model.decoder.transformer_blocks, x, ours_rope))
+        return str(mode), decode, common.own_bytes(model, decoder)
+
+    return table.Setup(
+        f"1 ViT3D block, {n} tokens",
+        {"fp32": peer(torch.float32), "bf16": peer(torch.bfloat16)},
+        served,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

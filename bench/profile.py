@@ -3,9 +3,10 @@
     python -m bench profile [--quick] [--only FAMILY ...] [--mode bfloat16|float32]
                             [--repeats 3] [--threads N]
 
-Each family is ``bench.table``'s setup (same shapes, same seeded weights). The service side
+Each row is ``bench.table``'s setup (same rows, shapes and seeded weights). The service side
 is the copy of ``--mode`` (optimized: the fast path the gate would measure), diffusers' side
-its first setting of the same dtype (bf16 / bf16+CL, or fp32). Each decodes once as a
+its first setting of the same dtype (bf16 / bf16+CL, or fp32; none for a family without a
+bench module). Each decodes once as a
 warm-up, then ``--repeats`` times under ``torch.profiler`` (the fastest kept) and once under
 ``FlopCounterMode``. A row gives the profiled decode's seconds, the share of its op time in convolutions, GEMMs and attention
 (the rest is elementwise work, copies and norms), and the FLOPs of those three over the time
@@ -77,12 +78,13 @@ def row(side: str, decode: table.Decode, repeats: int) -> dict:
 
 
 @torch.inference_mode()
-def measure(family: str, scale: str, dtype: torch.dtype, repeats: int = 1) -> dict:
-    """The family's shape, and its diffusers row and service row at ``dtype``."""
-    setup = table.FAMILIES[family](scale)
+def measure(name: str, scale: str, dtype: torch.dtype, repeats: int = 1) -> dict:
+    """The row's shape, and its diffusers row (where it has a peer) and service row at
+    ``dtype``."""
+    setup = table.setups()[name](scale)
     prefix = "bf16" if dtype == torch.bfloat16 else "fp32"
-    setting = next(k for k in setup.peers if k.startswith(prefix))
-    rows = [row(f"diffusers {setting}", setup.peers[setting](), repeats)]
+    setting = next((k for k in setup.peers if k.startswith(prefix)), None)
+    rows = [row(f"diffusers {setting}", setup.peers[setting](), repeats)] if setting else []
     mode, decode, _ = setup.served(lambda reference: modes.Mode(dtype))  # no selection
     rows.append(row(f"service {mode}", decode, repeats))
     return {"shape": setup.shape, "rows": rows}
@@ -111,7 +113,7 @@ def run(args: argparse.Namespace) -> None:
         "| family | shape | side | s | conv | GEMM | attention | rest "
         "| GFLOP | conv+GEMM+attention GFLOP/s |\n|---|---|---|---|---|---|---|---|---|---|"
     )
-    for family in args.only or table.FAMILIES:
+    for family in args.only or table.setups():
         command = [sys.executable, "-m", "bench", "profile", "--child", family]
         command += ["--scale", scale, "--mode", args.mode, "--threads", str(args.threads)]
         command += ["--repeats", str(args.repeats)]
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes (= --scale quick)")
     parser.add_argument("--scale", choices=table.SCALES, default="full", help=argparse.SUPPRESS)
-    parser.add_argument("--only", nargs="*", choices=list(table.FAMILIES), help="families")
+    parser.add_argument("--only", nargs="*", choices=list(table.setups()), help="rows")
     parser.add_argument("--mode", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="profiled decodes, the fastest kept")

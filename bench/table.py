@@ -1,33 +1,39 @@
 """Every family in one table: the service's served path vs diffusers' best setting here.
 
-    python -m bench all [--quick] [--repeats 2] [--threads N] [--only FAMILY ...] [--force-bf16]
+    python -m bench all [--quick] [--repeats 2] [--threads N] [--only ROW ...] [--force-bf16]
                         [--float32] [--encode]
 
-One row per family. diffusers is measured as a user would set it up (float32, float32 with
-channels_last where its convs take it, bf16) and its fastest setting is the row's peer; bf16
-is skipped when this machine's bf16 GEMM runs below 1/4 of float32's (emulated, as on AVX2
-CPUs), and the row says so. The service side is what ``VAE_DTYPE=auto`` serves on this
-device (every candidate mode timed on the gate's probe, the fastest that passes the gate:
-``app/runtime/selection.py``), decoded with the service's default options; the row says why
-that mode won and each candidate's probe time. The cosine is the served output's against diffusers float32's.
+The rows come from the family descriptors (``app.families``): each entry of a family's
+``bench`` (row name -> bench module) is a row whose setup is that module's own
+``table_setup(scale) -> Setup``; a family without one still gets a row, its served path alone
+(``served_only``: its first embedded model, seeded, decoding its gate probe latent) with no
+diffusers peer, so a new family is benched without bench code.
+
+diffusers is measured as a user would set it up (float32, float32 with channels_last where its
+convs take it, bf16) and its fastest setting is the row's peer; bf16 is skipped when this
+machine's bf16 GEMM runs below 1/4 of float32's (emulated, as on AVX2 CPUs), and the row says
+so. The service side is what ``VAE_DTYPE=auto`` serves on this device (every candidate mode
+timed on the gate's probe, the fastest that passes the gate: ``app/runtime/selection.py``),
+decoded with the service's default options; the row says why that mode won and each
+candidate's probe time. The cosine is the served output's against diffusers float32's.
 ``--float32`` keeps both sides to float32 (the service's float32 fast and exact modes,
 diffusers' float32 settings): what a CPU whose bf16 runs slower than its float32 (issue 29's
 Intel class) serves, measured at this CPU's rates.
 
-Each family runs in its own subprocess (its models are freed before the next family loads);
-inside it the variants share the family's seeded weights (built once by the family's bench
-module: ``build_ours`` / ``build_peer`` / ``variants``) and each is timed with
-``common.interleaved``: one warm-up decode each, then ``--repeats`` rounds in which every
-variant decodes once in turn (the median per variant), so a load change hits them alike.
-``--quick`` uses small shapes (the whole table in a few minutes on 2 cores); the default
-shapes are the family benches' defaults. MiniMax-H3's row is one ViT3D block over one tile
-clip (``bench.minimax_h3``: its decoder is 36 of them), compared on the block's update.
+Each row runs in its own subprocess (its models are freed before the next row loads); inside
+it the variants share the family's seeded weights (built once by the bench module's
+``table_setup``) and each is timed with ``common.interleaved``: one warm-up decode each, then
+``--repeats`` rounds in which every variant decodes once in turn (the median per variant), so
+a load change hits them alike. ``--quick`` uses small shapes (the whole table in a few minutes
+on 2 cores); the default shapes are the family benches' defaults. MiniMax-H3's row is one
+ViT3D block over one tile clip (``bench.minimax_h3``: its decoder is 36 of them), compared on
+the block's update.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import importlib
 import json
 import os
 import subprocess
@@ -39,6 +45,7 @@ from functools import partial
 import torch
 
 from app.config import Settings
+from app.families import families, family
 from app.families.decoder import VAEDecoder
 from app.families.ops import cosine
 from app.runtime import gate, modes, selection
@@ -49,14 +56,16 @@ Choose = Callable[[VAEDecoder], modes.Mode]  # the mode a served copy is built i
 CPU = torch.device("cpu")
 MIN_COS = Settings.model_fields["parity_min_cos"].default
 SCALES = ("tiny", "quick", "full")
+NO_PEER = "no peer"  # a row of a family without a bench module: its served path alone
 
 
 @dataclass
 class Setup:
-    """One family at one shape: what to decode, diffusers' settings and the served path."""
+    """One row at one shape: what to decode, diffusers' settings and the served path."""
 
     shape: str
-    peers: dict[str, Callable[[], Decode]]  # setting -> make() -> decode(), built lazily
+    # setting -> make() -> decode(), built lazily; empty: no peer (``served_only``)
+    peers: dict[str, Callable[[], Decode]]
     served: Callable[[Choose], tuple[str, Decode, int]]  # make(choose) -> (mode, decode(), own)
 
 
@@ -82,9 +91,11 @@ def served_mode(reference: VAEDecoder, float32_only: bool = False) -> modes.Mode
     return chosen.chosen.mode
 
 
-def _served(
+def served_path(
     reference: torch.nn.Module, decode: Callable
 ) -> Callable[[Choose], tuple[str, Decode, int]]:
+    """``Setup.served``: the copy of ``reference`` in the chosen mode, ``decode(copy)`` timed."""
+
     def make(choose: Choose) -> tuple[str, Decode, int]:
         mode = choose(reference)
         model = modes.build(reference, CPU, mode)
@@ -93,11 +104,11 @@ def _served(
     return make
 
 
-def _bind(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor) -> Decode:
+def bind(fn: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor) -> Decode:
     return lambda: fn(z)
 
 
-def _once(build: Callable):
+def once(build: Callable):
     """``build`` called at most once: the variants of a family share its weights."""
     held = []
 
@@ -109,189 +120,70 @@ def _once(build: Callable):
     return get
 
 
-# --- families: each reuses its bench module's builders -------------------------------------
-def flux(scale: str) -> Setup:
-    from bench import flux as b
-
-    size = {"tiny": 32, "quick": 256, "full": 512}[scale]  # at 128 per-call costs dominate
-    ours, ref = b.build()
-    z = torch.randn(1, 16, size // 8, size // 8, generator=torch.Generator().manual_seed(1))
-    v = b.variants(ours, ref, CPU)
-    peers = {k: v[f"diffusers {k}"] for k in ("fp32", "fp32+CL", "bf16+CL")}
-    return Setup(
-        f"FLUX.1 {size}x{size}",
-        {k: (lambda make=make: _bind(make(), z)) for k, make in peers.items()},
-        _served(ours, lambda m: m.decode(z)),
-    )
-
-
-def _video(
+def video(
     variants: dict, names: dict[str, str], build, z: torch.Tensor, shape: str, options
 ) -> Setup:
     """A family whose bench module has ``variants(..., build) -> name -> make(device)``."""
-    peers = {k: (lambda name=name: _bind(variants[name](CPU), z)) for k, name in names.items()}
-    return Setup(shape, peers, _served(build(), lambda m: m.decode(z, **options)))
+    peers = {k: (lambda name=name: bind(variants[name](CPU), z)) for k, name in names.items()}
+    return Setup(shape, peers, served_path(build(), lambda m: m.decode(z, **options)))
 
 
-PEER_NAMES = {
+PEER_NAMES = {  # the video benches' diffusers variants, by the table's setting names
     "fp32": "diffusers fp32",
     "fp32+CL3d": "diffusers fp32+CL3d",
     "bf16": "diffusers bf16",
 }
 
 
-def ltx(scale: str) -> Setup:
-    from bench import ltx as b
-
-    frames, size = {"tiny": (1, 32), "quick": (2, 128), "full": (3, 256)}[scale]
-    build = _once(b.build_ours)
-    z = b.latent(frames, size)
-    shape = f"0.9.1, {build().frames_out(frames)}x{size}x{size}"
-    opts = {"timestep": b.TIMESTEP, "seed": b.SEED}
-    return _video(b.variants(1, build), PEER_NAMES, build, z, shape, opts)
-
-
-def wan(scale: str) -> Setup:
-    from bench import wan as b
-
-    frames, size = {"tiny": (1, 32), "quick": (2, 128), "full": (3, 256)}[scale]
-    build = _once(lambda: b.build_ours("wan2.1"))
-    z = b.latent("wan2.1", frames, size)
-    shape = f"2.1, {build().frames_out(frames)}x{size}x{size}"
-    return _video(b.variants("wan2.1", 1, build), PEER_NAMES, build, z, shape, {})
+# --- the rows, from the family descriptors ---------------------------------------------------
+def setups() -> dict[str, Callable[[str], Setup]]:
+    """Row name -> setup(scale): each family's bench modules' ``table_setup``, or its served
+    path alone where it has none. Read at call time: a family registered since is a row."""
+    rows: dict[str, Callable[[str], Setup]] = {}
+    for key, described in families().items():
+        for row, module in described.bench.items():
+            rows[row] = partial(_module_setup, module)
+        if not described.bench:
+            rows[key] = partial(served_only, key)
+    return rows
 
 
-def hunyuan_video(scale: str) -> Setup:
-    from bench import hunyuan_video as b
-
-    frames, size = {"tiny": (1, 16), "quick": (2, 64), "full": (5, 256)}[scale]
-    build = _once(b.build_ours)
-    z = b.latent(frames, size)
-    shape = f"{build().frames_out(frames)}x{size}x{size}"
-    args = argparse.Namespace(tiled=False)
-    return _video(b.variants(args, build), PEER_NAMES, build, z, shape, {})
+def _module_setup(module: str, scale: str) -> Setup:
+    # imported only here: the bench modules import diffusers (a test extra)
+    return importlib.import_module(module).table_setup(scale)
 
 
-def ltx2(scale: str) -> Setup:
-    from bench import ltx2 as b
-
-    # the released architecture (a tiny one decodes in milliseconds: per-call costs only)
-    frames, size = {"tiny": (2, 2), "quick": (2, 4), "full": (3, 8)}[scale]
-    ours = b.build_ours(config=None if scale == "tiny" else b.RELEASED)
-    z = b.latent(ours, frames, size)
-
-    def peer(dtype: torch.dtype, channels_last: bool) -> Callable[[], Decode]:
-        def make() -> Decode:
-            ref = b.build_peer(ours).to(dtype=dtype)
-            if channels_last:
-                ref = ref.to(memory_format=torch.channels_last_3d)
-            return lambda: b.peer_decode(ref, z)
-
-        return make
-
-    px = size * ours.spatial_scale
-    arch = "ltx2-tiny arch" if scale == "tiny" else "LTX-2"
-    return Setup(
-        f"{arch}, {ours.frames_out(frames)}x{px}x{px}",
-        {
-            "fp32": peer(torch.float32, False),
-            "fp32+CL3d": peer(torch.float32, True),
-            "bf16": peer(torch.bfloat16, False),
-        },
-        _served(ours, lambda m: m.decode(z, timestep=b.TIMESTEP, seed=b.SEED)),
-    )
+def served_only(key: str, scale: str) -> Setup:
+    """A family with no bench module: its first embedded model (seeded, as ``bake
+    --synthetic`` writes it) decoding its gate probe latent, the run the mode selection times.
+    No peer, so no ratio; the probe's size is the family's, whatever the ``scale``."""
+    described = family(key)
+    if not described.synthetic:
+        raise ValueError(f"family {key!r} embeds no model to bench (no synthetic recipe)")
+    name, recipe = next(iter(described.synthetic.items()))
+    reference = described.decoder.module(dict(recipe.config)).eval()
+    described.decoder.init_synthetic(reference, torch.Generator().manual_seed(0))
+    reference.requires_grad_(False)
+    probes = gate.probes_for(reference)
+    shape = f"{name}, probe {'x'.join(map(str, probes.plain.shape))}"
+    return Setup(shape, {}, served_path(reference, lambda m: probes.run_plain(m)))
 
 
-def minimax_h3(scale: str) -> Setup:
-    from bench import minimax_h3 as b
-
-    decoder = b.build(1)
-    cfg = decoder.config
-    dim = cfg["decoder_num_attention_heads"] * cfg["decoder_attention_head_dim"]
-    n = b.tokens(cfg) if scale != "tiny" else 64
-    x = torch.randn(1, n, dim, generator=torch.Generator().manual_seed(1))
-    grid = b.GRID if scale != "tiny" else None
-    ours_rope = decoder.rope(b.GRID, CPU)
-    theirs_rope = b.peer_rope(cfg, CPU)
-    if grid is None:  # the tiny test shape: the rope tables cut to n tokens
-        ours_rope = tuple(t[:n] for t in ours_rope)
-        theirs_rope = tuple(t[:, :n] for t in theirs_rope)
-
-    def update(fn: Decode) -> Decode:
-        return lambda: fn() - x  # a block's residual update: the output minus its input
-
-    def peer(dtype: torch.dtype) -> Callable[[], Decode]:
-        def make() -> Decode:
-            model = decoder if dtype == torch.float32 else copy.deepcopy(decoder).to(dtype)
-            blocks = b.peer_blocks(model.decoder.transformer_blocks, cfg)
-            return update(b.stack(blocks, x, theirs_rope))  # x float32, as the bench
-
-        return make
-
-    def served(choose: Choose) -> tuple[str, Decode, int]:
-        mode = choose(decoder)
-        model = modes.build(decoder, CPU, mode)
-        decode = update(b.stack(model.decoder.transformer_blocks, x, ours_rope))
-        return str(mode), decode, common.own_bytes(model, decoder)
-
-    return Setup(
-        f"1 ViT3D block, {n} tokens",
-        {"fp32": peer(torch.float32), "bf16": peer(torch.bfloat16)},
-        served,
-    )
-
-
-def taesd(scale: str) -> Setup:
-    from bench import taesd as b
-
-    size = {"tiny": 32, "quick": 256, "full": 512}[scale]
-    ours, ref = b.build_pair()
-    z = torch.randn(1, 16, size // 8, size // 8, generator=torch.Generator().manual_seed(1))
-
-    def peer(dtype: torch.dtype, channels_last: bool) -> Callable[[], Decode]:
-        def make() -> Decode:
-            model = copy.deepcopy(ref).to(dtype=dtype)
-            if channels_last:
-                model = model.to(memory_format=torch.channels_last)
-            # diffusers returns [-1, 1]; the service (as upstream TAESD) [0, 1]
-            return lambda: (model.decode(z.to(dtype)).sample + 1) / 2
-
-        return make
-
-    return Setup(
-        f"TAEF1-shape {size}x{size}",
-        {
-            "fp32": peer(torch.float32, False),
-            "fp32+CL": peer(torch.float32, True),
-            "bf16+CL": peer(torch.bfloat16, True),
-        },
-        _served(ours, lambda m: m.decode(z)),
-    )
-
-
-FAMILIES: dict[str, Callable[[str], Setup]] = {
-    "flux": flux,
-    "ltx": ltx,
-    "ltx2": ltx2,
-    "minimax-h3": minimax_h3,
-    "wan": wan,
-    "hunyuan-video": hunyuan_video,
-    "taesd": taesd,
-}
 EMULATED = "skipped: bf16 emulated"
 NOT_ASKED = "skipped: --float32"
 SERVED = "served"
 
 
-# --- measuring one family -----------------------------------------------------------------
+# --- measuring one row ---------------------------------------------------------------------
 @torch.inference_mode()
 def measure(
-    family: str, scale: str, repeats: int, skip_bf16: bool, float32_only: bool = False
+    row: str, scale: str, repeats: int, skip_bf16: bool, float32_only: bool = False
 ) -> dict:
     """One row: every diffusers setting's median seconds (or why it was skipped), the
     fastest of them, the served path's median seconds and its cosine against diffusers fp32
-    (``float32_only``: both sides in float32)."""
-    setup = FAMILIES[family](scale)
+    (``float32_only``: both sides in float32). A row without a peer has no best, ratio or
+    cosine (None)."""
+    setup = setups()[row](scale)
     peers: dict[str, float | str] = {}
     decodes = {}
     for setting, make in setup.peers.items():
@@ -308,20 +200,19 @@ def measure(
     seconds = times.pop(SERVED)
     peers.update(times)
     reference = outputs.get("fp32")
-    cos = cosine(outputs[SERVED], reference) if reference is not None else float("nan")
     timed = {k: v for k, v in peers.items() if isinstance(v, float)}
-    best = min(timed, key=timed.get)
+    best = min(timed, key=timed.get) if timed else None
     return {
-        "family": family,
+        "family": row,
         "shape": setup.shape,
         "peers": peers,
-        "best": best,
-        "best_s": timed[best],
+        "best": best or NO_PEER,
+        "best_s": timed.get(best),
         "served": mode,
         "service_s": seconds,
         "own_mib": own / 2**20,
-        "ratio": timed[best] / seconds,
-        "cos": cos,
+        "ratio": timed[best] / seconds if best else None,
+        "cos": cosine(outputs[SERVED], reference) if reference is not None else None,
         "served_why": SELECTION.get("why"),
         "gate_cos": SELECTION.get("gate_cos"),
         "candidates": SELECTION.get("candidates"),
@@ -367,13 +258,18 @@ def format_table(rows: list[dict]) -> str:
             f"{k} {v:.2f} s" if isinstance(v, float) else f"{k} {v}" for k, v in r["peers"].items()
         )
         lines.append(
-            f"| {r['family']} | {r['shape']} | {r['best']} | {r['best_s']:.2f} "
-            f"| {r['service_s']:.2f} ({r['served']}) | {r['ratio']:.2f}x | {r['own_mib']:.0f} "
-            f"| {r['cos']:.7f} "
-            f"| {settings} |"
+            f"| {r['family']} | {r['shape']} | {r['best']} | {_num(r['best_s'], '.2f')} "
+            f"| {r['service_s']:.2f} ({r['served']}) | {_num(r['ratio'], '.2f', 'x')} "
+            f"| {r['own_mib']:.0f} | {_num(r['cos'], '.7f')} "
+            f"| {settings or 'none (no bench module)'} |"
         )
     lines += [_why_line(r) for r in rows if r.get("candidates")]
     return "\n".join(lines)
+
+
+def _num(x: float | None, spec: str, unit: str = "") -> str:
+    """A number of the table, blank where the row has none (no peer: no ratio, no cosine)."""
+    return "" if x is None else f"{x:{spec}}{unit}"
 
 
 def _why_line(row: dict) -> str:
@@ -400,8 +296,8 @@ def run(args: argparse.Namespace) -> None:
         + ("  (bf16 emulated: its diffusers settings skipped)" if emulated else "")
     )
     rows = []
-    for family in args.only or FAMILIES:
-        command = [sys.executable, "-m", "bench", "all", "--child", family, "--scale", scale]
+    for name in args.only or setups():
+        command = [sys.executable, "-m", "bench", "all", "--child", name, "--scale", scale]
         command += ["--repeats", str(args.repeats)]
         if args.threads:
             command += ["--threads", str(args.threads)]
@@ -412,12 +308,10 @@ def run(args: argparse.Namespace) -> None:
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["?"])[-1]
-            rows.append({"family": family, "error": last[:200]})
+            rows.append({"family": name, "error": last[:200]})
         else:
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        r = rows[-1]
-        note = r.get("error") or f"{r['ratio']:.2f}x of diffusers {r['best']}"
-        print(f"  {family:14s} {note}", flush=True)
+        print(f"  {name:14s} {_note(rows[-1])}", flush=True)
     print()
     print(format_table(rows))
     if args.encode:
@@ -428,12 +322,20 @@ def run(args: argparse.Namespace) -> None:
         print(encode.format_table(encode.rows(options, emulated)))
 
 
+def _note(row: dict) -> str:
+    if "error" in row:
+        return row["error"]
+    if row["ratio"] is None:
+        return f"served {row['served']} {row['service_s']:.2f} s ({NO_PEER})"
+    return f"{row['ratio']:.2f}x of diffusers {row['best']}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes (= --scale quick)")
     parser.add_argument("--scale", choices=SCALES, default="full", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--only", nargs="*", choices=list(FAMILIES), help="families to run")
+    parser.add_argument("--only", nargs="*", choices=list(setups()), help="rows to run")
     parser.add_argument("--force-bf16", action="store_true", help="run bf16 even when emulated")
     parser.add_argument("--skip-bf16", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(

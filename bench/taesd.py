@@ -18,18 +18,19 @@ misses in the CPU flash-attention kernel). Prints one markdown table.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from app.families.flux import decoder as flux
-
-from app.families.taesd import decoder as taesd
 from app.families.flux.decoder.model import FLUX1_CONFIG
-from bench import common
+from app.families.taesd import decoder as taesd
+from bench import common, table
 
 SHARED_WEIGHTS = Path(__file__).resolve().parents[2] / "shared/weights/taef2/taef2_decoder.pth"
 FLUX2_CONFIG = {
@@ -136,6 +137,35 @@ def _report(rows: list[list]) -> None:
             f"| {t_full:.2f} | {f_full / 1e9:.0f} | {f_full / t_full / 1e9:.0f} "
             f"| {t_full / t_prev:.1f}x | {f_full / f_prev:.1f}x |"
         )
+
+
+# --- the row of ``python -m bench all`` (bench/table.py) ------------------------------------
+def table_setup(scale: str) -> table.Setup:
+    """TAEF1's shape at ``scale``: diffusers' ``AutoencoderTiny`` (fp32, fp32+CL, bf16+CL)
+    holding the same weights, and the served path."""
+    size = {"tiny": 32, "quick": 256, "full": 512}[scale]
+    ours, ref = build_pair()
+    z = torch.randn(1, 16, size // 8, size // 8, generator=torch.Generator().manual_seed(1))
+
+    def peer(dtype: torch.dtype, channels_last: bool) -> Callable[[], table.Decode]:
+        def make() -> table.Decode:
+            model = copy.deepcopy(ref).to(dtype=dtype)
+            if channels_last:
+                model = model.to(memory_format=torch.channels_last)
+            # diffusers returns [-1, 1]; the service (as upstream TAESD) [0, 1]
+            return lambda: (model.decode(z.to(dtype)).sample + 1) / 2
+
+        return make
+
+    return table.Setup(
+        f"TAEF1-shape {size}x{size}",
+        {
+            "fp32": peer(torch.float32, False),
+            "fp32+CL": peer(torch.float32, True),
+            "bf16+CL": peer(torch.bfloat16, True),
+        },
+        table.served_path(ours, lambda m: m.decode(z)),
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

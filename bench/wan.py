@@ -33,7 +33,7 @@ from diffusers import AutoencoderKLWan
 from app.families.wan import decoder as wan
 from app.media import mp4
 from app.runtime import modes
-from bench import common
+from bench import common, table
 
 CONFIGS = {
     "wan2.1": {
@@ -180,6 +180,16 @@ def _child(args: argparse.Namespace) -> None:
     make = variants(args.variant, args.chunk)[args.child]
     warm = torch.randn(1, CONFIGS[args.variant]["z_dim"], 1, 2, 2)
     common.child(make, warm, latent(args.variant, args.frames, args.size), args)
+
+
+# --- the row of ``python -m bench all`` (bench/table.py) ------------------------------------
+def table_setup(scale: str) -> table.Setup:
+    """Wan 2.1 at ``scale``: diffusers' fp32, fp32+CL3d and bf16, and the served path."""
+    frames, size = {"tiny": (1, 32), "quick": (2, 128), "full": (3, 256)}[scale]
+    build = table.once(lambda: build_ours("wan2.1"))
+    z = latent("wan2.1", frames, size)
+    shape = f"2.1, {build().frames_out(frames)}x{size}x{size}"
+    return table.video(variants("wan2.1", 1, build), table.PEER_NAMES, build, z, shape, {})
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,8 +5,9 @@
 
 Sections (each one's failure is recorded and the run goes on; results are written after
 every section, so a run cut short still leaves its report):
-  gate     every family's embedded models gated on the device, each mode, every served way
-           (--models: only the named ones)
+  gate     every family's embedded models (the descriptors' ``synthetic`` recipes, baked or
+           not) gated on the device, each mode, every served way (--models: only the named
+           ones; ``one_per_family``: each family's cheapest, the CPU test's choice)
   flux     FLUX.1 decode time and peak memory: the service as served vs diffusers (bf16,
            NCHW and channels_last) on the same device, same weights, CUDA events
   e2e      the real HTTP service: PNG requests (Server-Timing vs client wall time) and
@@ -49,7 +50,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from app.families import FAMILIES, family_module  # noqa: E402
+from app.families import families, family  # noqa: E402
+from app.families.descriptor import Part  # noqa: E402
 from app.protocol.request import DecodeRequest  # noqa: E402
 from app.runtime import device as devices  # noqa: E402
 from app.runtime import gate, modes  # noqa: E402
@@ -72,14 +74,53 @@ TINY_FLUX = {
 }
 
 
-def bake(store: Path, family: str, name: str, config: dict, seed: int = 0) -> None:
+def bake(store: Path, key: str, name: str, config: dict, seed: int = 0) -> None:
     """Write one seeded model into a store, as ``python -m app bake`` would."""
     from app.store import write_model
 
-    module = family_module(family)
-    decoder = module.Decoder(config)
-    module.init_synthetic(decoder, torch.Generator().manual_seed(seed))
-    write_model(store, name, family, config, decoder.state_dict(), source="test", dtype="float32")
+    decoder = seeded(family(key).decoder, config, seed)
+    write_model(store, name, key, config, decoder.state_dict(), source="test", dtype="float32")
+
+
+def seeded(part: Part, config: dict, seed: int = 0) -> torch.nn.Module:
+    """A family's part of ``config`` with its seeded trained-like weights, frozen."""
+    module = part.module(dict(config))
+    part.init_synthetic(module, torch.Generator().manual_seed(seed))
+    return module.eval().requires_grad_(False)
+
+
+def embedded_models(quick: bool) -> list[tuple[str, str, dict]]:
+    """(family, name, config) of every family's embedded model (its descriptor's ``synthetic``
+    recipes, baked or not: taesd's seeded one is only for the proofs); a quick run swaps the
+    full-size FLUX.1 for a tiny one (minutes of float32 CPU decoding otherwise)."""
+    out = []
+    for key, described in families().items():
+        for name, recipe in described.synthetic.items():
+            config = recipe.config
+            if quick and name == "flux1-synthetic":
+                name, config = "flux-tiny", TINY_FLUX["flux-tiny"]
+            out.append((key, name, dict(config)))
+    return out
+
+
+def one_per_family(quick: bool) -> list[str]:
+    """Each family's embedded model whose gate probe decodes in the fewest FLOPs: one gated
+    model per family, what a CPU run of the proof checks the script and its report with."""
+    cheapest: dict[str, tuple[int, str]] = {}
+    for key, name, config in embedded_models(quick):
+        flops = probe_flops(family(key).decoder, config)
+        if key not in cheapest or flops < cheapest[key][0]:
+            cheapest[key] = (flops, name)
+    return [name for _, name in cheapest.values()]
+
+
+def probe_flops(part: Part, config: dict) -> int:
+    """FLOPs of one decode of the gate's probe latent, counted on the meta device (no weights,
+    no arithmetic: a fraction of a second a model)."""
+    with torch.device("meta"):
+        decoder = part.module(dict(config))
+    shape = tuple(decoder.probe_latent(torch.Generator().manual_seed(gate.PROBE_SEED)).shape)
+    return common.count_flops(lambda: decoder.decode(torch.empty(shape, device="meta")))
 
 
 def free_port() -> int:
@@ -87,9 +128,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-# the gate's model of a family that embeds none (taesd: its seeded architecture)
-SEEDED = {"taesd": {"taesd-seeded": {"variant": "taef1"}}}
 
 L4_MEMORY_GB = 22.0  # what an L4's 24 GB leaves a process after the CUDA context
 
@@ -142,27 +180,16 @@ class Proof:
     # --- gate -----------------------------------------------------------------------------
     def gate(self) -> None:
         """Every embedded model, every candidate mode on this device, every served way."""
-        for family, name, config in self._models():
-            module = family_module(family)
-            reference = module.Decoder(config)
-            module.init_synthetic(reference, torch.Generator().manual_seed(0))
-            reference.eval().requires_grad_(False)
+        for key, name, config in self._models():
+            reference = seeded(family(key).decoder, config)
             probes = gate.probes_for(reference)
             for mode in self._gate_modes():
-                self._gate_one(name, family, reference, probes, mode)
+                self._gate_one(name, key, reference, probes, mode)
 
     def _models(self) -> list[tuple[str, str, dict]]:
-        """(family, name, config) of every embedded model; a quick run swaps the full-size
-        FLUX.1 for a tiny one (minutes of float32 CPU decoding otherwise)."""
-        out = []
-        for family in FAMILIES:
-            embedded = getattr(family_module(family), "SYNTHETIC", {}) or SEEDED.get(family, {})
-            for name, config in embedded.items():
-                if self.quick and name == "flux1-synthetic":
-                    name, config = "flux-tiny", TINY_FLUX["flux-tiny"]
-                if self.models is None or name in self.models:
-                    out.append((family, name, config))
-        return out
+        """The embedded models this run gates (``--models``: the named ones)."""
+        models = embedded_models(self.quick)
+        return [m for m in models if self.models is None or m[1] in self.models]
 
     def _gate_modes(self) -> list[modes.Mode]:
         if self.device.type == "cuda":
@@ -381,13 +408,13 @@ class Proof:
             torch.cuda.set_per_process_memory_fraction(1.0, 0)
 
     def _served_flux(self, memory_cap: int):
-        from app.runtime.registry import ServedModel
+        from app.runtime.parts import ServedPart
         from app.store import Manifest
 
         ours, _ = flux_bench.build()
         fast = modes.build(ours, self.device, modes.Mode(torch.bfloat16))
         manifest = Manifest("flux1-synthetic", "flux", ours.config, "float32", "proof", "")
-        served = ServedModel(
+        served = ServedPart(
             "flux1-synthetic", manifest, ours, fast, self.device, modes.Mode(torch.bfloat16),
             gate.EXACT_REPORT, False,
         )  # fmt: skip
@@ -686,8 +713,8 @@ def _phase_sums(url: str, model: str) -> dict[str, float]:
 
     text = requests.get(f"{url}/metrics", timeout=10).text
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
+    for metric in text_string_to_metric_families(text):
+        for sample in metric.samples:
             if sample.name == "vae_phase_seconds_sum" and sample.labels.get("model") == model:
                 phase = sample.labels.get("phase", "")
                 out[phase] = out.get(phase, 0.0) + sample.value * 1000
@@ -934,7 +961,7 @@ def main() -> None:
     device = devices.resolve(args.device)
     devices.prepare(device)
     proof = Proof(device, args.quick, args.out, args.models)
-    known = {name for _, name, _ in Proof(device, args.quick, args.out)._models()}
+    known = {name for _, name, _ in embedded_models(args.quick)}
     if args.models and not set(args.models) <= known:
         parser.error(f"--models: unknown {sorted(set(args.models) - known)}; known {sorted(known)}")
     print(devices.runtime_summary(args.device), flush=True)

@@ -8,7 +8,8 @@ On a GPU, for each model at its real size (seeded trained-like weights built on 
   kernels   one warm chunk profiled: a vol2col/im2col/slow_conv kernel fails the proof
   parity    the served bf16 copy against a float32 copy on the device, 3 latent frames at full
             resolution (cosine >= 0.9999, PSNR)
-  layout    the served copy in NCDHW and channels_last_3d (``modes.GPU_CONV3D_LAYOUT``)
+  layout    the served copy in NCDHW and channels_last_3d (the family descriptor's
+            ``gpu_conv3d_layout`` is served), where it holds 3-D conv weights
   choices   each device-aware setting's GPU candidates (chunk frames, tokens per call, ...)
 then an emulated L4 (``VAE_DEVICE_MEMORY_GB=21.5``) with every model resident: each size decodes.
 Everywhere: the estimate, live peak and the runner's rung of each real size on the meta device
@@ -29,13 +30,11 @@ from typing import Any
 
 import torch
 
-from app.families import family_module, ops
-
+from app.families import family, ops
 from app.families.hunyuan_video import decoder as hunyuan_video
-
-from app.families.wan import decoder as wan
 from app.families.ltx.decoder import ltx2
 from app.families.minimax_h3.decoder.model import DEFAULTS as MINIMAX_DEFAULTS
+from app.families.wan import decoder as wan
 from app.protocol.request import DecodeRequest
 from app.runtime import device as devices
 from app.runtime import gate, modes
@@ -120,10 +119,10 @@ def mib(n: float | None) -> int | None:
 # --- the real sizes on the meta device ----------------------------------------------------------
 
 
-def served_on_meta(family: str, config: dict[str, Any]) -> Any:
+def served_on_meta(key: str, config: dict[str, Any]) -> Any:
     """The full-size decoder on the meta device in bf16, optimized as the served copy is."""
     with torch.device("meta"):
-        decoder = family_module(family).Decoder(dict(config)).to(torch.bfloat16).eval()
+        decoder = family(key).decoder.module(dict(config)).to(torch.bfloat16).eval()
     decoder.optimize()
     return decoder
 
@@ -221,7 +220,7 @@ class VideoSection:
     def config(self, model: VideoModel) -> dict[str, Any]:
         if not self.proof.quick:
             return model.config
-        return family_module(model.family).SYNTHETIC[model.tiny]
+        return dict(family(model.family).synthetic[model.tiny].config)
 
     def one_model(self, model: VideoModel) -> None:
         t0 = time.perf_counter()
@@ -249,10 +248,10 @@ class VideoSection:
 
     def build_reference(self, model: VideoModel) -> Any:
         """The float32 model, built on the device with the family's seeded weights."""
-        module = family_module(model.family)
+        part = family(model.family).decoder
         with torch.device(self.device):
-            decoder = module.Decoder(dict(self.config(model)))
-        module.init_synthetic(decoder, torch.Generator().manual_seed(0))
+            decoder = part.module(dict(self.config(model)))
+        part.init_synthetic(decoder, torch.Generator().manual_seed(0))
         return decoder.eval().requires_grad_(False)
 
     def latent(self, decoder: Any, size, frames: int | None = None) -> torch.Tensor:
@@ -393,11 +392,11 @@ class VideoSection:
 
     # --- the GPU 3-D conv layout ------------------------------------------------------------
     def layout(self, model: VideoModel, served: Any, size) -> None:
-        if model.family not in modes.GPU_CONV3D_LAYOUT:
-            return
         fast = served.fast
+        if not any(p.ndim == 5 for p in fast.parameters()):
+            return  # no 3-D conv weights: no layout to choose
         z = self.latent(fast, size).to(self.device)
-        chosen = modes.GPU_CONV3D_LAYOUT[model.family]
+        chosen = family(model.family).gpu_conv3d_layout
         for layout in modes.CONV3D_LAYOUTS:
             modes.set_conv3d_layout(fast, layout)
             with torch.inference_mode():
@@ -517,8 +516,9 @@ def flux_band_rows(device: torch.device, quick: bool) -> list[dict[str, Any]]:
 
     ours, _ = flux_bench.build() if not quick else (None, None)
     if ours is None:
-        ours = family_module("flux").Decoder(_tiny_flux())
-        family_module("flux").init_synthetic(ours, torch.Generator().manual_seed(0))
+        part = family("flux").decoder
+        ours = part.module(_tiny_flux())
+        part.init_synthetic(ours, torch.Generator().manual_seed(0))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     fast = modes.build(ours, device, modes.Mode(dtype))
     size = 128 if quick else 1024  # 2048^2 takes ~7 s a decode: too long for 6 runs
@@ -600,10 +600,10 @@ def _peer_call(peer: Any, model: VideoModel, config: dict) -> Callable[[torch.Te
 
 
 def _served(model: VideoModel, reference: Any, fast: Any, device, mode) -> Any:
-    from app.runtime.registry import ServedModel
+    from app.runtime.parts import ServedPart
 
     manifest = Manifest(model.name, model.family, reference.config, "float32", "proof", "")
-    return ServedModel(model.name, manifest, reference, fast, device, mode, gate.EXACT_REPORT,
+    return ServedPart(model.name, manifest, reference, fast, device, mode, gate.EXACT_REPORT,
                        False)  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""A decoder family for the startup tests (registered in ``FAMILIES`` by the test): FLUX's
+"""A decoder family for the startup tests (``app.families.register("sleepy-flux", ...)`` by the
+test; ``FAMILY`` its descriptor): FLUX's
 decoder, whose plain-probe decode (batch 1, untiled) sleeps ``sleep_s`` in the modes its config
 lists in ``slow_modes`` (``str(Mode)``: "float32", "float32 exact", "bfloat16",
 "bfloat16 exact"), so a test can make one candidate mode slower than another on any CPU."""
@@ -10,12 +11,12 @@ from typing import Any
 
 from torch import Tensor
 
+from app.families.descriptor import Family, Part
 from app.families.flux.decoder import Decoder as FluxDecoder
-from app.families.flux.decoder import init_synthetic  # noqa: F401  (the family's baker)
+from app.families.flux.decoder import convert, init_synthetic
 
 
 class Decoder(FluxDecoder):
-    family = "sleepy-flux"
     optimized = False
 
     def optimize(self) -> None:
@@ -30,3 +31,6 @@ class Decoder(FluxDecoder):
         if tiled is False and z.shape[0] == 1 and self.mode_name() in self.config["slow_modes"]:
             time.sleep(self.config["sleep_s"])
         return super().decode(z, tiled=tiled, **options)
+
+
+FAMILY = Family("sleepy-flux", decoder=Part(Decoder, convert, init_synthetic))

@@ -1,4 +1,5 @@
-"""A decoder family for the startup tests (registered in ``FAMILIES`` by the test):
+"""A decoder family for the startup tests (``app.families.register("tiled-hunyuan", ...)`` by
+the test; ``FAMILY`` its descriptor):
 HunyuanVideo's decoder, whose ``probe_latent(generator, tiled=True)`` is larger than one tile at
 the decode's default tile geometry (2x2 tiles). With ``break_tiled`` in its config, the tiled
 decode of an optimized copy is off by 0.5 (a fast path whose tiles are wrong)."""
@@ -11,13 +12,12 @@ import torch
 from torch import Tensor
 
 from app.families import tiling
+from app.families.descriptor import Family, Part
 from app.families.hunyuan_video.decoder import Decoder as HunyuanVideoDecoder
-from app.families.hunyuan_video.decoder import init_synthetic  # noqa: F401  (the family's baker)
+from app.families.hunyuan_video.decoder import convert, init_synthetic
 
 
 class Decoder(HunyuanVideoDecoder):
-    family = "tiled-hunyuan"
-
     def probe_latent(self, generator: torch.Generator, tiled: bool = False) -> Tensor:
         if not tiled:
             return super().probe_latent(generator)
@@ -34,3 +34,6 @@ class Decoder(HunyuanVideoDecoder):
         out = super().decode(z, **options)
         broken = self.optimized and self.config.get("break_tiled") and options.get("tiled")
         return out + 0.5 if broken else out
+
+
+FAMILY = Family("tiled-hunyuan", decoder=Part(Decoder, convert, init_synthetic))

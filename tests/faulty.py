@@ -1,6 +1,7 @@
 """Fault injection for tests: a decoder family that fails on demand, and a real server process.
 
-The ``faulty`` family is known only inside ``registered()`` (app/decoders is never edited).
+The ``faulty`` family is known only inside ``registered()`` (``app.families.register``: app/families
+is never edited); this module's ``FAMILY`` is its descriptor.
 
 The decoder is a 1x1 conv to RGB and a nearest upsample, frame by frame for the video
 variant (config ``video: true``, latent ``[B, 4, T, H, W]``, streamed one frame a chunk):
@@ -40,14 +41,15 @@ import requests
 import torch
 from torch import Tensor, nn
 
-from app.families import FAMILIES
+import app.families
 from app.families.decoder import VAEDecoder
+from app.families.descriptor import Family, Part
 from app.store import write_model
 from tests.live import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAMILY = "faulty"
+KEY = "faulty"
 OOM_FAST, OOM_UNTILED, CRASH, SLEEP, OOM_ALL = 1001.0, 1002.0, 1003.0, 1004.0, 1005.0
 HOLD = 1006.0
 STICKY = 1007.0
@@ -62,8 +64,8 @@ _lock = threading.Lock()
 
 
 def register() -> None:
-    """Make ``faulty`` a known family for this process (app/decoders is not edited)."""
-    FAMILIES[FAMILY] = __name__
+    """Make ``faulty`` a known family for this process (app/families is not edited)."""
+    app.families.register(KEY, __name__)
 
 
 @contextmanager
@@ -73,11 +75,10 @@ def registered() -> Iterator[None]:
     try:
         yield
     finally:
-        FAMILIES.pop(FAMILY, None)
+        app.families.unregister(KEY)
 
 
 class Decoder(VAEDecoder):
-    family = FAMILY
     output_space = "signed"
     supports_tiling = True  # the runner's OOM retry decodes tiled before anything else
 
@@ -188,12 +189,20 @@ def init_synthetic(decoder: Decoder, generator: torch.Generator) -> None:
         decoder.proj.bias.zero_()
 
 
+def convert(source: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The faulty family imports no checkpoint (``bake`` writes its models)."""
+    raise ValueError(f"the {KEY} family imports no checkpoint ({source})")
+
+
+FAMILY = Family(KEY, decoder=Part(Decoder, convert, init_synthetic))
+
+
 def bake(store: Path, name: str = "faulty", **config: Any) -> None:
     """Write a faulty model into ``store`` (inside ``registered()``; the config may carry
     limits)."""
     decoder = Decoder({**CONFIG, **config})
     init_synthetic(decoder, torch.Generator())
-    write_model(store, name, FAMILY, {**CONFIG, **config}, decoder.state_dict(), source="test")
+    write_model(store, name, KEY, {**CONFIG, **config}, decoder.state_dict(), source="test")
 
 
 def latent(

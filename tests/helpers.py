@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 import requests
 import torch
-from app.http import create_app
 from diffusers.video_processor import VideoProcessor
 from fastapi.testclient import TestClient
 from torch import nn
 
 from app.config import Settings
+from app.http import create_app
 from app.telemetry import timing
 from app.telemetry.timing import PhaseTimer
 from tests import faulty

@@ -59,7 +59,9 @@ def bake(store: Path, family_key: str, name: str, config: dict[str, Any], seed: 
     part = family(family_key).decoder
     decoder = part.module(config)
     part.init_synthetic(decoder, torch.Generator().manual_seed(seed))
-    write_model(store, name, family_key, config, decoder.state_dict(), source="test", dtype="float32")
+    write_model(
+        store, name, family_key, config, decoder.state_dict(), source="test", dtype="float32"
+    )
 
 
 def free_port() -> int:
@@ -97,8 +99,8 @@ def cli_import(store: Path, *models: tuple[str, Path, str]) -> list[str]:
     """Import each ``(family, source, name)`` into ``store`` with the real CLI, as a user
     would; all at once, since most of each run is importing torch. Returns their stdouts."""
     runs = []
-    for family, source, name in models:
-        command = [sys.executable, "-m", "app", "import", family, str(source)]
+    for key, source, name in models:
+        command = [sys.executable, "-m", "app", "import", key, str(source)]
         command += ["--name", name, "--models-dir", str(store)]
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
         runs.append(subprocess.Popen(command, cwd=ROOT, text=True, **pipes))

@@ -20,12 +20,12 @@ from safetensors.numpy import load_file
 
 from app.cli import main
 from app.families.flux import decoder as flux_decoder
-from app.families.wan import decoder as wan_decoder
-from app.families.ops import cosine
 from app.families.flux import encoder as flux
-from app.families.taesd import encoder as taesd
-from app.families.wan import encoder as wan
 from app.families.flux.encoder.model import ENCODER_CONFIG
+from app.families.ops import cosine
+from app.families.taesd import encoder as taesd
+from app.families.wan import decoder as wan_decoder
+from app.families.wan import encoder as wan
 from app.store import write_model
 from tests.conftest import ROOT
 from tests.live import TINY_FLUX, bake, live_server
@@ -186,9 +186,10 @@ def test_mp4_through_a_video_encoder(store, tmp_path):
         ("unknown", "is not in the store"),
         ("decoder-only", "holds no encoder"),
         ("suffix", "the latent file is .safetensors"),
-        ("not-an-image", "not a readable image"),
+        # the file is read as the service reads a body (its protocol's own refusals)
+        ("not-an-image", "is not a valid png image"),
         ("seed", "--seed only applies with --sample"),
-        ("mp4-to-image-encoder", "encodes images: an MP4 needs a video family"),
+        ("mp4-to-image-encoder", "video/mp4 needs a video model"),
     ],
 )
 def test_errors_are_one_clear_line(case, message, store, photo_file, tmp_path, capsys):

@@ -146,12 +146,12 @@ def _tiny_diffusers_vae(folder: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from app.families import family_module
+    from app.families import family
     from tests.live import TINY_FLUX
 
-    flux = family_module("flux")
+    flux = family("flux").decoder
     config = dict(TINY_FLUX["flux-tiny"])
-    decoder = flux.Decoder(config)
+    decoder = flux.module(config)
     flux.init_synthetic(decoder, torch.Generator().manual_seed(0))
     folder.mkdir(parents=True)
     state = {f"decoder.{k}": v.contiguous() for k, v in decoder.state_dict().items()}
@@ -965,9 +965,10 @@ def test_request_log_is_one_cloud_logging_json_line(json_log):
     assert len(lines) == 1
     entry = json.loads(lines[0])
     assert entry["severity"] == "INFO"
+    # the request's id in the message too, as the text format has it (docs: one line each)
     assert (
         entry["message"]
-        == f"POST http://svc/decode/flux-tiny?shape=1&shape=16&q={logged} 200 0.123s"
+        == f"POST http://svc/decode/flux-tiny?shape=1&shape=16&q={logged} 200 0.123s id=req-1"
     )  # noqa: E501
     http = entry["httpRequest"]
     assert http == {"requestMethod": "POST", "requestUrl": fields["httpRequest"]["requestUrl"],

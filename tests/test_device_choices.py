@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from app.families import families, keys
 from app.families.ltx import decoder as ltx
-
-from app.families.minimax_h3 import decoder as minimax_h3
-
-from app.families.wan import decoder as wan
 from app.families.ltx.decoder import decode as ltx_decode
+from app.families.minimax_h3 import decoder as minimax_h3
 from app.families.minimax_h3.decoder import decode as mm_decode
+from app.families.wan import decoder as wan
 from app.families.wan.decoder import decode as wan_decode
 from app.runtime import modes
 
@@ -61,9 +60,12 @@ def test_minimax_tokens_per_call_follow_its_cpu_table(monkeypatch):
     assert decoder.working_bytes(shape, 4) < before
 
 
-def test_gpu_conv3d_layout_table_names_a_layout_per_conv_family():
-    assert set(modes.GPU_CONV3D_LAYOUT) == {"ltx", "wan", "hunyuan-video"}
-    assert set(modes.GPU_CONV3D_LAYOUT.values()) <= set(modes.CONV3D_LAYOUTS)
+def test_every_family_names_a_gpu_conv3d_layout():
+    """Each descriptor's ``gpu_conv3d_layout`` (what ``modes.build`` lays a GPU copy out in)
+    is a layout ``set_conv3d_layout`` knows, and setting one lays out every 5-D weight."""
+    layouts = {key: f.gpu_conv3d_layout for key, f in families().items()}
+    assert set(layouts) == set(keys())
+    assert set(layouts.values()) <= set(modes.CONV3D_LAYOUTS), layouts
     decoder = _seeded(wan, "wan2.1-tiny")
     modes.set_conv3d_layout(decoder, "channels_last_3d")
     weights = [p for p in decoder.parameters() if p.ndim == 5]

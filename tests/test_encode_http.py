@@ -25,9 +25,8 @@ import requests
 import torch
 from PIL import Image
 
-from app.families import family_module
+from app.families import family
 from app.families.ops import cosine
-from app.encoders import encoder_module
 from app.store import load_encoder, read_manifest, write_model
 from tests.conftest import SHARED, shared_path
 from tests.live import ROOT, cli_import, live_server
@@ -45,20 +44,19 @@ TAEF2 = SHARED / "weights" / "taef2"  # tests skip where it is absent (_taef2)
 PHOTOS = ("astronaut", "chelsea", "coffee")
 
 
-def _write(store: Path, name: str, family: str, config: dict, with_encoder: bool) -> None:
-    module = family_module(family)
-    decoder = module.Decoder(config)
-    module.init_synthetic(decoder, torch.Generator().manual_seed(0))
+def _write(store: Path, name: str, key: str, config: dict, with_encoder: bool) -> None:
+    described = family(key)
+    decoder = described.decoder.module(config)
+    described.decoder.init_synthetic(decoder, torch.Generator().manual_seed(0))
     encoder_state = None
     if with_encoder:
-        enc_module = encoder_module(family)
-        encoder = enc_module.Encoder(config)
-        enc_module.init_synthetic(encoder, torch.Generator().manual_seed(1))
+        encoder = described.encoder.module(config)
+        described.encoder.init_synthetic(encoder, torch.Generator().manual_seed(1))
         encoder_state = encoder.state_dict()
     write_model(
         store,
         name,
-        family,
+        key,
         config,
         decoder.state_dict(),
         source="test",
@@ -76,9 +74,9 @@ def store(tmp_path_factory) -> Path:
     store = tmp_path_factory.mktemp("encode-store")
     _write(store, "flux-enc", "flux", FLUX_TINY, True)
     _write(store, "flux-dec", "flux", FLUX_TINY, False)
-    ltx = encoder_module("ltx")
-    decoder = family_module("ltx").Decoder(LTX_DECODERS["ltx-tiny"])
-    encoder = ltx.Encoder(LTX_ENCODERS["ltx-tiny"])
+    ltx = family("ltx").encoder
+    decoder = family("ltx").decoder.module(LTX_DECODERS["ltx-tiny"])
+    encoder = ltx.module(LTX_ENCODERS["ltx-tiny"])
     ltx.init_synthetic(encoder, torch.Generator().manual_seed(1))
     write_model(
         store,
@@ -107,7 +105,7 @@ def exact_encoder(store: Path, name: str):
     """The entry's encoder, loaded in process as the service's exact path is (float32, CPU)."""
     _, manifest = read_manifest(store, name)
     _, state = load_encoder(store, name)
-    encoder = encoder_module(manifest.family).Encoder(manifest.encoder_config).eval()
+    encoder = family(manifest.family).encoder.module(manifest.encoder_config).eval()
     encoder.load_state_dict(state)
     return encoder.float()
 
@@ -144,11 +142,12 @@ def test_models_show_each_encoder(url):
     enc = models["flux-enc"]["encoder"]
     assert enc["dtype"] == "float32" and enc["path"] in ("exact", "optimized")
     assert enc["parity_cosine"] >= 0.99999 and enc["fallback"] is False
-    # VAE_DTYPE=float32 on the CPU: the exact encoder is the one candidate, measured
+    # VAE_DTYPE=float32 on the CPU: the exact encoder is the one candidate, served unmeasured
+    # (as a decoder is: app/runtime/selection.choose)
     assert enc["mode"] == "float32 exact" and enc["selection"] == "done"
-    assert (
-        enc["chosen_because"] == "the only candidate" and enc["candidates"][0]["probe_seconds"] > 0
-    )
+    assert enc["chosen_because"] == "the only candidate: the exact path"
+    (only,) = enc["candidates"]
+    assert only["mode"] == "float32 exact" and only["passed"] is True
     assert models["flux-dec"]["encoder"] is None
     assert models["ltx-tiny"]["encoder"]["video"] is True
 

@@ -9,8 +9,8 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderKLFlux2, Flux2Pipeline
 from safetensors.torch import save_file
 
+from app.families import family
 from app.families.flux import decoder as flux_decoders
-from app.encoders import encoder_module
 from app.families.flux import encoder as flux
 from tests.helpers import cosine
 
@@ -228,14 +228,15 @@ def test_optimized_copy_stays_at_parity() -> None:
 
 
 def test_registry_synthetic_and_errors() -> None:
-    module = encoder_module("flux")
+    part = family("flux").encoder
+    assert part.module is flux.Encoder and part.init_synthetic is flux.init_synthetic
     config = {
-        **module.SYNTHETIC["flux1-synthetic"],
+        **family("flux").synthetic["flux1-synthetic"].encoder_config,
         "block_out_channels": [32, 64],
         "norm_num_groups": 8,
     }
-    enc = module.Encoder(config).eval()
-    module.init_synthetic(enc, torch.Generator().manual_seed(0))
+    enc = part.module(config).eval()
+    part.init_synthetic(enc, torch.Generator().manual_seed(0))
     with torch.no_grad():
         x = enc.probe_input(torch.Generator().manual_seed(0))
         z = enc.encode(x)
@@ -251,4 +252,4 @@ def test_registry_synthetic_and_errors() -> None:
     with pytest.raises(ValueError, match="last tile"):  # 48-px steps: a 1-px last strip
         enc.moments(torch.zeros(1, 3, 64, 97), tiled=True, tile_sample_size=64)
     with pytest.raises(KeyError, match="flux"):
-        encoder_module("nope")
+        family("nope")

@@ -142,6 +142,36 @@ def test_causal_stream_is_exact(name):
     assert not noncausal.streams
 
 
+@pytest.mark.parametrize("name", ["v090", "v095-causal", "ltx2"])
+def test_default_stream_matches_diffusers(name):
+    """What is served: a causal encoder streams chunks of ``DEFAULT_CHUNK_LATENTS`` latent
+    frames' worth (here 33 + 32 + 8 frames), against diffusers' one pass."""
+    ref, ours = make_pair(name)
+    scale = ours.temporal_scale
+    x = rgb_video(1 + 2 * ltx.encode.DEFAULT_CHUNK_LATENTS * scale + scale, 32, 32)
+    chunks = list(ours.iter_moments(x))
+    assert len(chunks) == 3
+    check_moments(f"{name} default stream", torch.cat(chunks, 2), reference_dist(ref, x))
+
+
+@pytest.mark.parametrize("name", list(VARIANTS) + list(LTX2_VARIANTS))
+def test_frame_rule_is_diffusers(name):
+    """``frames_problem`` names exactly the counts diffusers' encode cannot take (a
+    RuntimeError there; LTX-2's takes 1 + 8k, v095-causal's 1 + 8k or 3 + 8k, 0.9.0's
+    stride-2 convs any count); ours refuses them with it, a ValueError."""
+    ref, ours = make_pair(name)
+    for frames in range(1, 12):
+        x = rgb_video(frames, 2 * ours.spatial_scale, 2 * ours.spatial_scale)
+        try:
+            reference_dist(ref, x)
+        except RuntimeError:
+            assert ours.frames_problem(frames).startswith("LTX encodes"), frames
+            with pytest.raises(ValueError, match=f"{frames} frames is not one"):
+                ours.moments(x)
+        else:
+            assert ours.frames_problem(frames) == "", frames
+
+
 def test_image_input_and_normalize():
     _, ours = make_pair("v090")
     x = rgb_video(1, 32, 32)

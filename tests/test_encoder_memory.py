@@ -32,7 +32,7 @@ from torch._C._profiler import _EventType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from app.encoders import encoder_module
+from app.families import family as described
 from app.families.attention import attend
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -70,6 +70,9 @@ CASES: list[tuple[str, str, dict[str, Any], tuple[int, ...], torch.dtype, bool]]
     ("ltx", "LTX 0.9 /4", LTX_4, (1, 3, 17, 256, 384), F32, False),
     ("ltx", "LTX-2", {"version": "ltx2"}, (1, 3, 1, 256, 256), F32, False),
     ("ltx", "LTX-2 /4", LTX2_4, (1, 3, 17, 256, 256), F32, False),
+    # the default stream: 33 + 8 frames, memory flat in clip length
+    ("ltx", "LTX 0.9 /4 stream", LTX_4, (1, 3, 41, 128, 192), F32, False),
+    ("ltx", "LTX-2 /4 stream bf16", LTX2_4, (1, 3, 41, 128, 128), BF16, False),
     ("hunyuan-video", "HunyuanVideo", {}, (1, 3, 1, 128, 128), F32, False),
     ("hunyuan-video", "HunyuanVideo /8", HUNYUAN_8, (1, 3, 21, 192, 192), F32, False),
     ("minimax-h3", "MiniMax-H3", {}, (1, 3, 1, 128, 128), F32, False),
@@ -104,7 +107,7 @@ def built(family: str, config: dict[str, Any], dtype: torch.dtype) -> Any:
     """The encoder on the CPU with zero weights: memory does not depend on their values, and
     initialising a full-size one takes longer than encoding with it."""
     with torch.device("meta"):
-        encoder = encoder_module(family).Encoder(config).to(dtype).eval()
+        encoder = described(family).encoder.module(config).to(dtype).eval()
     encoder.to_empty(device="cpu")
     with torch.no_grad():
         for tensor in (*encoder.parameters(), *encoder.buffers()):

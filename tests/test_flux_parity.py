@@ -7,7 +7,6 @@ import torch
 from diffusers import AutoencoderKL, AutoencoderKLFlux2
 
 from app.families import ops
-
 from app.families.flux import decoder as flux
 from app.families.flux.decoder.model import ResnetBlock
 from tests.helpers import cosine

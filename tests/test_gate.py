@@ -12,7 +12,9 @@ import requests
 import torch
 
 from app.config import Settings
-from app.families import family_module
+from app.families import family
+from app.families.taesd import decoder as taesd
+from app.families.taesd.decoder.synthetic import TINY as TAESD_TINY
 from app.protocol.request import DecodeRequest, Output
 from app.runtime import Runtime, gate, modes
 from app.store import load_model
@@ -129,7 +131,7 @@ def test_fast_copy_keeps_latent_statistics_in_float32(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family,name",
+    "key,name",
     [
         ("ltx", "ltx-tiny"),
         ("ltx", "ltx2-tiny"),
@@ -138,12 +140,12 @@ def test_fast_copy_keeps_latent_statistics_in_float32(tmp_path):
         ("minimax-h3", "minimax-h3-image-tiny"),
     ],
 )
-def test_every_family_builds_a_bf16_copy_that_passes_every_gate_check(family, name):
+def test_every_family_builds_a_bf16_copy_that_passes_every_gate_check(key, name):
     """The bf16 copy is what a GPU serves: each family must build and gate it (the first GPU
     run found MiniMax-H3's float32 final norm fed bf16 weights)."""
-    module = family_module(family)
-    reference = module.Decoder(module.SYNTHETIC[name])
-    module.init_synthetic(reference, torch.Generator().manual_seed(0))
+    described = family(key)
+    reference = described.decoder.module(described.synthetic[name].config)
+    described.decoder.init_synthetic(reference, torch.Generator().manual_seed(0))
     reference.eval().requires_grad_(False)
     fast = modes.build(reference, torch.device("cpu"), modes.Mode(torch.bfloat16))
     report = gate.run(fast, gate.probes_for(reference))
@@ -159,9 +161,9 @@ def test_auto_orders_bf16_first_only_on_a_cpu_with_native_bf16(
     """Both orders of ``auto``'s candidates on any CPU (read back from the app's own
     ``/models``); the served one is measured, never picked by the flags: no candidate that
     passed the gate decoded the probe clearly faster."""
-    from app.http import create_app
     from fastapi.testclient import TestClient
 
+    from app.http import create_app
     from app.runtime import selection
     from app.runtime.device import cpu_has_fast_bf16
 
@@ -181,7 +183,7 @@ def test_auto_orders_bf16_first_only_on_a_cpu_with_native_bf16(
             assert not c["passed"], described["candidates"]
 
 
-class _WrongWhenLarge(family_module("taesd").Decoder):
+class _WrongWhenLarge(taesd.Decoder):
     """TAESD whose optimized copy is off by 0.25 on outputs above 256 px: a fast path that
     only the native-resolution check can catch (the gate's probes are 128 px)."""
 
@@ -198,13 +200,13 @@ class _WrongWhenLarge(family_module("taesd").Decoder):
 
 
 def _taesd(cls=None):
-    module = family_module("taesd")
-    reference = (cls or module.Decoder)(module.synthetic.TINY)
-    module.init_synthetic(reference, torch.Generator().manual_seed(0))
+    part = family("taesd").decoder
+    reference = (cls or part.module)(TAESD_TINY)
+    part.init_synthetic(reference, torch.Generator().manual_seed(0))
     return reference.eval().requires_grad_(False)
 
 
-class _Native384(family_module("taesd").Decoder):
+class _Native384(taesd.Decoder):
     native_size = (384, 320)  # small: the check's cost on any CPU, bf16 emulated included
 
 
@@ -240,7 +242,7 @@ def test_the_full_resolution_check_is_skipped_where_the_device_cannot_hold_it(mo
 
 def test_vae_gate_full_on_shows_the_check_in_models(flux_store, monkeypatch):
     # a small native size: the check's cost on any CPU (its own size is tested above)
-    monkeypatch.setattr(family_module("flux").Decoder, "native_size", (256, 192))
+    monkeypatch.setattr(family("flux").decoder.module, "native_size", (256, 192))
     runtime = _runtime(flux_store, dtype="bfloat16", gate_full="on")
     model = runtime.models["flux-tiny"]
     assert "full" in {c.name for c in model.gate.checks}

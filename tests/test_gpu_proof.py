@@ -12,27 +12,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# the gate's cheapest embedded model of each family: this checks the script and its report;
-# the other models' bf16 gates are in tests/test_gate.py and test_wan.py, and the whole proof
-# on a GPU gates every model
-ONE_PER_FAMILY = ("flux-tiny", "hunyuan-video-tiny", "ltx2-tiny", "minimax-h3-tiny",
-                  "taesd-seeded", "wan2.2-tiny")  # fmt: skip
+def _gpu_proof():
+    spec = importlib.util.spec_from_file_location("gpu_proof", ROOT / "scripts" / "gpu_proof.py")
+    proof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(proof)
+    return proof
 
 
 def test_gpu_proof_runs_on_the_cpu_and_writes_its_report(tmp_path):
+    from app.families import keys
+
+    # the gate's cheapest embedded model of each family, as the proof ranks the descriptors'
+    # recipes (a new family is in it): this checks the script and its report; the other
+    # models' bf16 gates are in tests/test_gate.py and test_wan.py, and the whole proof on a
+    # GPU gates every model
+    one_per_family = _gpu_proof().one_per_family(quick=True)
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(Path(os.sys.executable))}
     cmd = ["bash", "scripts/gpu_proof.sh", "--device", "cpu", "--quick",
-           "--only", "encoder", "gate", "--models", *ONE_PER_FAMILY]  # fmt: skip
+           "--only", "encoder", "gate", "--models", *one_per_family]  # fmt: skip
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_proof.json").read_text())
     assert {"device", "gate", "flux", "e2e", "ok"} <= set(report) and report["ok"] is True
     families = {row["family"] for row in report["gate"]}
-    assert {"flux", "ltx", "minimax-h3", "wan", "hunyuan-video", "taesd"} <= families
+    assert families == set(keys()) and len(one_per_family) == len(families)
     # each named model, in every mode the CPU gates (bf16, bf16 unoptimized, float32 fast)
     gated = [(row["model"], row["dtype"]) for row in report["gate"]]
     assert sorted(gated) == sorted(
-        (m, d) for m in ONE_PER_FAMILY for d in ("bfloat16", "bfloat16", "float32")
+        (m, d) for m in one_per_family for d in ("bfloat16", "bfloat16", "float32")
     )
     assert report["h264_encoder"]
     for row in report["gate"]:
@@ -42,6 +49,27 @@ def test_gpu_proof_runs_on_the_cpu_and_writes_its_report(tmp_path):
     assert (tmp_path / "gpu_proof.md").read_text().startswith("# GPU proof")
 
 
+def test_proof_gates_every_recipe_and_picks_one_model_per_family():
+    """The gate's models are every family's recipes (taesd's seeded one too, though not baked),
+    the quick run's FLUX.1 swapped for a tiny one; one per family is the cheapest probe."""
+    from app.families import families
+
+    proof = _gpu_proof()
+    listed = proof.embedded_models(quick=True)
+    names = {name for _, name, _ in listed}
+    expected = {n for f in families().values() for n in f.synthetic} - {"flux1-synthetic"}
+    assert names == expected | {"flux-tiny"} and "taesd-seeded" in names
+    assert {name for _, name, _ in proof.embedded_models(quick=False)} == expected | {
+        "flux1-synthetic"
+    }
+    chosen = proof.one_per_family(quick=True)
+    by_family = {name: key for key, name, _ in listed}
+    assert sorted(by_family[n] for n in chosen) == sorted(families())
+    cost = {n: proof.probe_flops(families()[k].decoder, c) for k, n, c in listed}
+    for name in chosen:  # no cheaper model of its family
+        assert cost[name] == min(cost[n] for n, k in by_family.items() if k == by_family[name])
+
+
 def test_kernel_profile_accounts_a_decode_by_kind_and_renders():
     """The profile section's accounting, run on the CPU (aten ops stand in for kernels)."""
     import torch
@@ -49,9 +77,7 @@ def test_kernel_profile_accounts_a_decode_by_kind_and_renders():
     from app.families.flux import decoder as flux
     from tests.live import TINY_FLUX
 
-    spec = importlib.util.spec_from_file_location("gpu_proof", ROOT / "scripts" / "gpu_proof.py")
-    proof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(proof)
+    proof = _gpu_proof()
     model = flux.Decoder(TINY_FLUX["flux-tiny"])
     flux.init_synthetic(model, torch.Generator().manual_seed(0))
     z = torch.randn(1, model.latent_channels, 8, 8)
@@ -119,9 +145,7 @@ def test_video_section_on_the_cpu_serves_parities_and_times_one_family():
     import torch
 
     video = _video_proof()
-    spec = importlib.util.spec_from_file_location("gpu_proof", ROOT / "scripts" / "gpu_proof.py")
-    proof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(proof)
+    proof = _gpu_proof()
     report = _Report(torch.device("cpu"))
     section = video.VideoSection(report, proof._kernel_profile)
     model = next(m for m in video.MODELS if m.name == "ltx-0.9.1")

@@ -28,9 +28,9 @@ from tests.live import TINY_FLUX, bake, live_server
 
 def flux_tiny_work(side: int) -> int:
     """flux-tiny's own working-memory estimate for a [1,16,side,side] latent in float32."""
-    from app.families import family_module
+    from app.families import family
 
-    decoder = family_module("flux").Decoder(TINY_FLUX["flux-tiny"])
+    decoder = family("flux").decoder.module(TINY_FLUX["flux-tiny"])
     return decoder.working_bytes((1, 16, side, side), 4)
 
 
@@ -46,9 +46,9 @@ def store(tmp_path_factory) -> Path:
     with faulty.registered():
         faulty.bake(store, "faulty-video", video=True)
     # imported from a host path: /models must not show it
-    from app.families import family_module
+    from app.families import family
 
-    decoder = family_module("flux").Decoder(TINY_FLUX["flux-tiny"])
+    decoder = family("flux").decoder.module(TINY_FLUX["flux-tiny"])
     state = decoder.state_dict()
     write_model(store, "imported", "flux", TINY_FLUX["flux-tiny"], state, "/srv/secret/ae-dir")
     return store
@@ -111,10 +111,10 @@ def test_a_decode_that_needs_more_working_memory_than_the_cap_is_refused(server)
 def meta_geometry(family: str, config: dict) -> ModelGeometry:
     """A full-size decoder's geometry and memory estimate, built on the meta device (its
     config, not its weights)."""
-    from app.families import family_module
+    from app.families import family as described
 
     with torch.device("meta"):
-        decoder = family_module(family).Decoder(config)
+        decoder = described(family).decoder.module(config)
     return ModelGeometry.of(decoder)
 
 

@@ -20,8 +20,7 @@ import torch
 from diffusers import AutoencoderKLHunyuanVideo
 from safetensors.torch import save_file
 
-from app.families import family_module
-
+from app.families import family
 from app.families.hunyuan_video import decoder as hunyuan_video
 from app.families.hunyuan_video.decoder import fast
 from app.families.hunyuan_video.decoder.model import Upsampler
@@ -327,7 +326,7 @@ def test_cli_import_into_the_store(pairs, tmp_path):
     import_pretrained(tmp_path / "store", "hunyuan-video", {"hy": ref})
     manifest, decoder = load_model(tmp_path / "store", "hy", verify=True)
     assert manifest.family == "hunyuan-video" and manifest.config == config
-    assert family_module("hunyuan-video").Decoder is hunyuan_video.Decoder
+    assert family("hunyuan-video").decoder.module is hunyuan_video.Decoder
     z = latent(1, 16, 5, 2, 2, seed=10)
     check("store entry", decoder.decode(z), ref.decode(z).sample)
 

@@ -1,6 +1,8 @@
-"""The package's import layout (docs/decoders.md): no import circle anywhere under ``app/``,
-and every decoder family's ``model.py`` imports nothing of the service but
-``app.families.ops``.
+"""The package's import layout (docs/families.md): no import circle anywhere under ``app/``;
+every family's ``decoder/model.py`` imports nothing of the service but ``app.families.ops``, its
+``encoder/model.py`` nothing but the shared layers (``ops``, ``attention``), the encoder base
+(``app.families.encoder``) and its own family's ``decoder/model.py``; every family package
+exports its ``FAMILY`` descriptor, keyed by its package name.
 
 The graph is read from the source (the AST), not by importing: module-level ``import`` /
 ``from`` statements of ``app.*`` (those under ``if TYPE_CHECKING:`` included: a type-only
@@ -104,29 +106,85 @@ def test_the_checker_sees_a_circle() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_family_models_import_only_ops() -> None:
-    from app.families import FAMILIES
+def _package_dirs() -> list[tuple[str, Path]]:
+    """(package name, folder) of every family of the service (``app.families.PACKAGES``)."""
+    from app.families import PACKAGES
 
-    for package in FAMILIES.values():
-        path = APP.parent / Path(*package.split(".")) / "model.py"
+    assert PACKAGES, "no families"
+    return [(package, APP / "families" / package) for package in PACKAGES]
+
+
+def test_family_models_import_only_ops() -> None:
+    for _, folder in _package_dirs():
+        path = folder / "decoder" / "model.py"
         imports = module_level_imports(path) - {"app.families.ops"}
         assert not imports, f"{path}: imports {sorted(imports)}"
 
 
-def test_every_family_follows_the_template() -> None:
-    """``__init__`` exports ``Decoder`` (from ``decode.py``), ``convert``, ``SYNTHETIC`` and
-    ``init_synthetic`` (from ``synthetic.py``); ``Decoder`` has a ``forward`` of its own."""
+def test_encoder_models_import_only_shared_layers_and_their_decoder_model() -> None:
+    shared = {"app.families.ops", "app.families.attention", "app.families.encoder"}
+    for package, folder in _package_dirs():
+        path = folder / "encoder" / "model.py"
+        if not path.exists():
+            continue  # a decoder-only family
+        allowed = shared | {f"app.families.{package}.decoder.model"}
+        imports = module_level_imports(path) - allowed
+        assert not imports, f"{path}: imports {sorted(imports)}"
+
+
+def test_every_family_exports_its_descriptor() -> None:
+    """``app/families/<package>/__init__`` exports ``FAMILY``, keyed by the package name with
+    '-' for '_', whose parts are the sub-packages' own classes and functions."""
     import importlib
 
-    from app.families import FAMILIES
-    from app.families.decoder import VAEDecoder
+    from app.families import family, key_of
+    from app.families.descriptor import Family
 
-    for package in FAMILIES.values():
-        module = importlib.import_module(package)
-        for name in ("Decoder", "convert", "SYNTHETIC", "init_synthetic"):
-            assert hasattr(module, name), f"{package} exports no {name}"
-        assert module.Decoder.__module__ == f"{package}.decode"
-        assert module.init_synthetic.__module__ == f"{package}.synthetic"
-        assert module.Decoder.__name__ == "Decoder" and issubclass(module.Decoder, VAEDecoder)
-        assert module.Decoder.forward is not VAEDecoder.forward, f"{package}: no forward"
-        assert "__new__" not in vars(module.Decoder)
+    for package, folder in _package_dirs():
+        module = importlib.import_module(f"app.families.{package}")
+        described = module.FAMILY
+        assert isinstance(described, Family), f"{package}: FAMILY is not a Family"
+        assert described.key == key_of(package) == package.replace("_", "-")
+        assert family(described.key) is described
+        parts = {"decoder": described.decoder, "encoder": described.encoder}
+        for part, given in parts.items():
+            if not (folder / part).is_dir():
+                assert given is None, f"{package}: a {part} without a {part}/ package"
+                continue
+            sub = importlib.import_module(f"app.families.{package}.{part}")
+            cls = sub.Decoder if part == "decoder" else sub.Encoder
+            assert given is not None, f"{package}: its {part}/ is not in FAMILY"
+            assert given.module is cls and given.convert is sub.convert, package
+            assert given.init_synthetic is sub.init_synthetic, package
+            assert cls.family == described.key  # set by the descriptor
+        for name, recipe in described.synthetic.items():
+            assert recipe.config, f"{package}: {name} has no decoder config"
+
+
+def test_every_family_follows_the_template() -> None:
+    """Each ``decoder/`` (``encoder/``) sub-package exports ``Decoder`` from ``decode.py``
+    (``Encoder`` from ``encode.py``), ``convert``, ``SYNTHETIC`` and ``init_synthetic`` (from
+    ``synthetic.py``); ``Decoder`` has a ``forward`` of its own and no ``__new__``."""
+    import importlib
+
+    from app.families.decoder import VAEDecoder
+    from app.families.encoder import VAEEncoder
+
+    for package, folder in _package_dirs():
+        for part, cls_name, own, base in (
+            ("decoder", "Decoder", "decode", VAEDecoder),
+            ("encoder", "Encoder", "encode", VAEEncoder),
+        ):
+            if part == "encoder" and not (folder / part).is_dir():
+                continue
+            name = f"app.families.{package}.{part}"
+            module = importlib.import_module(name)
+            for export in (cls_name, "convert", "SYNTHETIC", "init_synthetic"):
+                assert hasattr(module, export), f"{name} exports no {export}"
+            cls = getattr(module, cls_name)
+            assert cls.__module__ == f"{name}.{own}"
+            assert module.init_synthetic.__module__ == f"{name}.synthetic"
+            assert cls.__name__ == cls_name and issubclass(cls, base)
+            assert "__new__" not in vars(cls)
+            if part == "decoder":
+                assert cls.forward is not VAEDecoder.forward, f"{name}: no forward"

@@ -22,9 +22,8 @@ import requests
 import torch
 from PIL import Image
 
-from app.families import family_module
+from app.families import family
 from app.families.ops import cosine
-from app.encoders import encoder_module
 from app.store import load_encoder, read_manifest, write_model
 from tests.live import live_server
 
@@ -54,18 +53,19 @@ def store(tmp_path_factory) -> Path:
     from app.families.ltx.encoder.synthetic import SYNTHETIC as LTX_ENCODERS
 
     store = tmp_path_factory.mktemp("media-store")
-    for name, family, dec_config, enc_config in (
+    for name, key, dec_config, enc_config in (
         ("flux-enc", "flux", FLUX_TINY, FLUX_TINY),
         ("ltx-tiny", "ltx", LTX_DECODERS["ltx-tiny"], LTX_ENCODERS["ltx-tiny"]),
     ):
-        decoder = family_module(family).Decoder(dec_config)
-        family_module(family).init_synthetic(decoder, torch.Generator().manual_seed(0))
-        encoder = encoder_module(family).Encoder(enc_config)
-        encoder_module(family).init_synthetic(encoder, torch.Generator().manual_seed(1))
+        described = family(key)
+        decoder = described.decoder.module(dec_config)
+        described.decoder.init_synthetic(decoder, torch.Generator().manual_seed(0))
+        encoder = described.encoder.module(enc_config)
+        described.encoder.init_synthetic(encoder, torch.Generator().manual_seed(1))
         write_model(
             store,
             name,
-            family,
+            key,
             dec_config,
             decoder.state_dict(),
             source="test",
@@ -86,7 +86,7 @@ def url(store):
 def exact_encoder(store: Path, name: str) -> torch.nn.Module:
     _, manifest = read_manifest(store, name)
     _, state = load_encoder(store, name)
-    encoder = encoder_module(manifest.family).Encoder(manifest.encoder_config).eval()
+    encoder = family(manifest.family).encoder.module(manifest.encoder_config).eval()
     encoder.load_state_dict(state)
     return encoder.float()
 
@@ -228,15 +228,21 @@ def test_media_input_frames_are_imageios(clip, tmp_path):
     np.testing.assert_array_equal(np.stack(list(mp4_frames(path, info))), imageio_frames(clip))
 
 
-def test_the_cli_reader_refuses_a_concat_script_named_mp4(clip, tmp_path):
-    from app.cli.local_encode import LocalEncodeError, read_video
+@torch.inference_mode()
+def test_the_cli_reader_refuses_a_concat_script_named_mp4(store, clip, tmp_path):
+    """``python -m app encode``'s path (``encode_file``: the service's protocol and runtime)."""
+    from app.cli.local_encode import LocalEncodeError, encode_file
 
     (tmp_path / "victim.mp4").write_bytes(clip)
     script = tmp_path / "innocent.mp4"
     script.write_text("ffconcat version 1.0\nfile 'victim.mp4'\n")  # concat's "safe" name
+    out = tmp_path / "latent.safetensors"
     with pytest.raises(LocalEncodeError, match="not a readable MP4"):
-        read_video(script, 8)
-    assert read_video(tmp_path / "victim.mp4", 8).shape == (1, 3, 9, 64, 96)
+        encode_file(script, "ltx-tiny", out, store)
+    assert not out.exists()
+    shape, _ = encode_file(tmp_path / "victim.mp4", "ltx-tiny", out, store)
+    want = exact_encoder(store, "ltx-tiny").encode(as_pixels(imageio_frames(clip)))
+    assert shape == tuple(want.shape) and shape[2] > 1  # the victim's 9 frames, as a body
 
 
 # --- an MP4's pixels against the limits, before decoding (issue 35 item 5)
@@ -380,9 +386,13 @@ def test_every_png_mode_reads_as_the_rgb_it_means(mode):
 
 
 def test_16_bit_mid_grey_is_zero_in_the_encoders_range():
-    from app.cli.local_encode import preprocess
+    """The protocol's image reader (the service's and ``python -m app encode``'s)."""
+    from app.protocol import Limits
+    from app.protocol.encode import EncoderGeometry, read_image
 
-    x = preprocess(Image.open(io.BytesIO(png_16_bit(np.full((16, 16, 1), 32768), 0))), 8)
+    geo = EncoderGeometry("flux", 8, False, lambda shape: 0)
+    body = png_16_bit(np.full((16, 16, 1), 32768), 0)
+    x = read_image(body, "png", 8, geo, Limits())
     assert x.shape == (1, 3, 16, 16) and float(x.abs().max()) < 0.01
 
 
@@ -403,14 +413,20 @@ def test_16_bit_grey_png_encodes_as_its_8_bit_twin_over_http(url):
     assert torch.equal(got, want)
 
 
-def test_16_bit_grey_png_in_the_cli_reader(tmp_path):
-    from app.cli.local_encode import read_image
+def test_16_bit_grey_png_in_the_cli_reader(store, tmp_path):
+    """``python -m app encode``'s path: the 16-bit PNG encodes as its 8-bit twin."""
+    from safetensors.torch import load_file
+
+    from app.cli.local_encode import encode_file
 
     wide, narrow = grey_pair()
     (tmp_path / "wide.png").write_bytes(wide)
     (tmp_path / "narrow.png").write_bytes(narrow)
-    got, want = read_image(tmp_path / "wide.png", 8), read_image(tmp_path / "narrow.png", 8)
-    assert torch.equal(got, want)
+    for name in ("wide", "narrow"):
+        encode_file(tmp_path / f"{name}.png", "flux-enc", tmp_path / f"{name}.safetensors", store)
+    got = load_file(str(tmp_path / "wide.safetensors"))["latent"]
+    want = load_file(str(tmp_path / "narrow.safetensors"))["latent"]
+    assert got.shape == (1, 16, 6, 5) and torch.equal(got, want)
 
 
 def test_ffmpegs_last_line_loses_addresses_and_paths(tmp_path):

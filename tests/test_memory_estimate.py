@@ -13,15 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from app.families import family_module
-
-from app.families.hunyuan_video import decoder as hunyuan_video
-
-from app.families.wan import decoder as wan
+from app.families import family
 from app.families.flux.decoder.model import FLUX1_CONFIG
+from app.families.hunyuan_video import decoder as hunyuan_video
 from app.families.ltx.decoder import ltx2
 from app.families.ltx.decoder.model import DEFAULTS as LTX_DEFAULTS
 from app.families.minimax_h3.decoder.model import DEFAULTS as MINIMAX_DEFAULTS
+from app.families.wan import decoder as wan
 from bench.meta_memory import live_peak
 
 LTX_091 = {
@@ -58,10 +56,10 @@ CASES: list[tuple[str, dict[str, Any], tuple[int, int, int], bool]] = [
 ]
 
 
-def served_on_meta(family: str, config: dict[str, Any]) -> Any:
+def served_on_meta(key: str, config: dict[str, Any]) -> Any:
     """The full-size decoder on the meta device in bf16, optimized as the served copy is."""
     with torch.device("meta"):
-        decoder = family_module(family).Decoder(dict(config)).to(torch.bfloat16).eval()
+        decoder = family(key).decoder.module(dict(config)).to(torch.bfloat16).eval()
     decoder.optimize()
     return decoder
 
@@ -99,7 +97,7 @@ def test_estimate_covers_measured_peak(family, config, size, tiled) -> None:
 
 def test_tiled_estimate_is_smaller_where_tiles_are() -> None:
     """What the runner's tiled fallback relies on: a tiled decode plans less memory."""
-    for family, config in (("flux", FLUX1_CONFIG), ("hunyuan-video", HUNYUAN_VIDEO)):
-        decoder = served_on_meta(family, config)
+    for key, config in (("flux", FLUX1_CONFIG), ("hunyuan-video", HUNYUAN_VIDEO)):
+        decoder = served_on_meta(key, config)
         shape = latent_shape(decoder, 61, 720, 1280)
         assert decoder.working_bytes(shape, 2, tiled=True) < decoder.working_bytes(shape, 2)

@@ -24,8 +24,8 @@ from diffusers.utils.remote_utils import remote_decode
 from diffusers.video_processor import VideoProcessor
 from PIL import Image
 
-from app.families.minimax_h3 import decoder as mm
 from app.families.decoder import IMAGENET_MEAN, IMAGENET_STD
+from app.families.minimax_h3 import decoder as mm
 from app.families.minimax_h3.decoder.convert import config_from_diffusers
 from app.families.minimax_h3.decoder.schedule import clip_plan, split_tiles
 from app.media import mp4

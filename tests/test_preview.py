@@ -121,15 +121,15 @@ EXPECTED_FORMAT = {  # the default store's synthetic models (their real configs'
 
 
 def test_each_served_family_maps_to_its_published_format_or_none():
-    from app.families import FAMILIES, family_module
-    from app.media.preview import preview_format
+    from app.families import PACKAGES, family, key_of
+    from app.http.preview import preview_format
 
     seen = {}
-    for family in FAMILIES:
-        module = family_module(family)
-        for name, config in getattr(module, "SYNTHETIC", {}).items():
-            decoder = module.Decoder(config)
-            seen[name] = preview_format(family, decoder.config, decoder.latent_channels)
+    for key in (key_of(package) for package in PACKAGES):  # every family of the service
+        described = family(key)
+        for name, recipe in described.baked().items():
+            decoder = described.decoder.module(recipe.config)
+            seen[name] = preview_format(key, decoder.config, decoder.latent_channels)
     assert seen == EXPECTED_FORMAT
     sdxl = {"latent_channels": 4, "scaling_factor": 0.13025}
     assert preview_format("flux", sdxl, 4) == "sdxl"

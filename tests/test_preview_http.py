@@ -16,7 +16,6 @@ import torch
 from PIL import Image
 
 from app.families.minimax_h3 import decoder as minimax_h3
-
 from app.families.wan import decoder as wan
 from app.media.preview import FORMATS, preview
 from tests.live import TINY_FLUX, bake, live_server

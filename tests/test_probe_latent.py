@@ -13,14 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from app.families import FAMILIES, family_module, winograd
+from app.families import PACKAGES, family, key_of, winograd
 from app.families.flux.decoder.model import FLUX1_CONFIG
 from app.families.ltx.decoder import streaming
 
 
-def on_meta(family: str, config: dict[str, Any]) -> Any:
+def on_meta(key: str, config: dict[str, Any]) -> Any:
     with torch.device("meta"):
-        return family_module(family).Decoder(dict(config)).eval()
+        return family(key).decoder.module(dict(config)).eval()
 
 
 def counting(monkeypatch, owner: Any, name: str, keep: Callable[..., bool]) -> list[int]:
@@ -37,16 +37,16 @@ def counting(monkeypatch, owner: Any, name: str, keep: Callable[..., bool]) -> l
     return calls
 
 
-def tiles_decoded(monkeypatch, family: str, decoder: Any, z: torch.Tensor) -> int:
+def tiles_decoded(monkeypatch, key: str, decoder: Any, z: torch.Tensor) -> int:
     """Tiles (bands) of the last spatial stage one ``decode(z, tiled=True)`` runs, per
     frame chunk."""
-    if family == "flux":  # row bands of conv_out
+    if key == "flux":  # row bands of conv_out
         calls = counting(
             monkeypatch, winograd, "conv_rows", lambda conv, x: conv is decoder.conv_out
         )
         decoder.decode(z, tiled=True)
         return len(calls)
-    if family == "ltx":
+    if key == "ltx":
         calls = counting(monkeypatch, streaming, "_decode_tile", lambda *a, **k: True)
         decoder.decode(z, tiled=True, chunk_frames=0)
         return len(calls)
@@ -57,25 +57,26 @@ def tiles_decoded(monkeypatch, family: str, decoder: Any, z: torch.Tensor) -> in
 
 TILING = {
     "flux": FLUX1_CONFIG,
-    "ltx": family_module("ltx").SYNTHETIC["ltx-tiny"],
-    "wan": family_module("wan").SYNTHETIC["wan2.1-tiny"],
-    "hunyuan-video": family_module("hunyuan-video").SYNTHETIC["hunyuan-video-tiny"],
+    "ltx": family("ltx").synthetic["ltx-tiny"].config,
+    "wan": family("wan").synthetic["wan2.1-tiny"].config,
+    "hunyuan-video": family("hunyuan-video").synthetic["hunyuan-video-tiny"].config,
 }
 
 
 def test_every_tiling_family_is_covered() -> None:
-    tiling = {f for f in FAMILIES if family_module(f).Decoder.supports_tiling}
+    keys = [key_of(package) for package in PACKAGES]  # every family of the service
+    tiling = {key for key in keys if family(key).decoder.module.supports_tiling}
     assert tiling == set(TILING)
 
 
-@pytest.mark.parametrize("family", sorted(TILING))
-def test_tiled_probe_decodes_in_several_tiles(monkeypatch, family) -> None:
-    decoder = on_meta(family, TILING[family])
+@pytest.mark.parametrize("key", sorted(TILING))
+def test_tiled_probe_decodes_in_several_tiles(monkeypatch, key) -> None:
+    decoder = on_meta(key, TILING[key])
     gen = torch.Generator().manual_seed(0)
     tiled = decoder.probe_latent(gen, tiled=True).to("meta")
     plain = decoder.probe_latent(gen).to("meta")
     with torch.inference_mode():
-        assert tiles_decoded(monkeypatch, family, decoder, tiled) > 1
+        assert tiles_decoded(monkeypatch, key, decoder, tiled) > 1
         monkeypatch.undo()
-        if family != "flux":  # FLUX's plain probe may span bands too: nothing to compare
-            assert tiles_decoded(monkeypatch, family, decoder, plain) <= 1
+        if key != "flux":  # FLUX's plain probe may span bands too: nothing to compare
+            assert tiles_decoded(monkeypatch, key, decoder, plain) <= 1

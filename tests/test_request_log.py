@@ -67,7 +67,7 @@ def _requests(url: str) -> list[str]:
     assert r.status_code == 401
     ids.append(r.headers["x-request-id"])
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    r = requests.get(f"{url}/models?api_key={SECRETS[2]}", headers=auth, timeout=30)
+    r = requests.get(f"{url}/openapi.json?api_key={SECRETS[2]}", headers=auth, timeout=30)
     assert r.status_code == 200
     ids.append(r.headers["x-request-id"])
     r = requests.post(

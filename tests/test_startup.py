@@ -15,8 +15,9 @@ import requests
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 
+import app.families
 from app.config import Settings
-from app.families import FAMILIES, tiling
+from app.families import tiling
 from app.families.hunyuan_video import decoder as hunyuan_video
 from app.protocol.request import DecodeRequest, Output
 from app.runtime import Runtime, compiled, gate, references, selection
@@ -84,7 +85,7 @@ def _rewrite(path, tensors=None, **meta_changes) -> None:
 
 def test_a_stale_reference_is_recomputed_and_never_used(store, caplog):
     path = entry_dir(store, "flux-tiny") / REFERENCE
-    references.store_reference(store, "flux-tiny")
+    references.store_references(store, "flux-tiny")
     clean = _runtime(store, "flux-tiny", dtype="bfloat16").models["flux-tiny"]
     # another torch wrote it, and its outputs are wrong (but its digest matches them)
     wrong = {k: torch.zeros_like(v) for k, v in load_file(str(path)).items()}
@@ -105,16 +106,14 @@ def test_a_stale_reference_is_recomputed_and_never_used(store, caplog):
 
 def test_a_tampered_reference_fails_closed(store, caplog):
     path = entry_dir(store, "flux-tiny") / REFERENCE
-    references.store_reference(store, "flux-tiny")
+    references.store_references(store, "flux-tiny")
     _, key_status = references.read(path.parent, {})
     assert key_status == "stale"  # any other key is stale
     # the bf16 copy's own outputs put in the file (the key unchanged): the gate would pass a
     # copy against itself; the digest no longer matches
     model = _runtime(store, "flux-tiny", dtype="bfloat16").models["flux-tiny"]
     forged = {k: v for k, v in load_file(str(path)).items()}
-    forged["plain"] = (
-        gate.probes_for(model.reference).run_plain(model.fast).float().contiguous()
-    )
+    forged["plain"] = gate.probes_for(model.reference).run_plain(model.fast).float().contiguous()
     _rewrite(path, forged)
     with caplog.at_level(logging.INFO, "app.runtime.references"):
         again = _runtime(store, "flux-tiny", dtype="bfloat16").models["flux-tiny"]
@@ -141,15 +140,33 @@ def test_bake_stores_the_reference(tmp_path):
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    model = _runtime(tmp_path, "ltx2-tiny", dtype="bfloat16").models["ltx2-tiny"]
-    assert model.reference_status == "valid"
+    runtime = _runtime(tmp_path, "ltx2-tiny", dtype="bfloat16")
+    assert runtime.models["ltx2-tiny"].reference_status == "valid"
+    # the encoder's too (its own file beside the decoder's)
+    assert (entry_dir(tmp_path, "ltx2-tiny") / references.REFERENCE_FILES["encoder"]).is_file()
+    assert runtime.encoders["ltx2-tiny"].reference_status == "valid"
 
 
 # --- the mode by measurement -----------------------------------------------------------------
-@pytest.fixture
-def sleepy(tmp_path, monkeypatch):
-    monkeypatch.setitem(FAMILIES, "sleepy-flux", "tests.family_sleepy")
+def _registered(key: str, module: str):
+    """A test stand-in family (``module``'s ``FAMILY``) known as ``key`` while the test runs."""
+    app.families.register(key, module)
+    yield
+    app.families.unregister(key)
 
+
+@pytest.fixture
+def sleepy_family():
+    yield from _registered("sleepy-flux", "tests.family_sleepy")
+
+
+@pytest.fixture
+def tiled_family():
+    yield from _registered("tiled-hunyuan", "tests.family_tiled")
+
+
+@pytest.fixture
+def sleepy(tmp_path, sleepy_family):
     def make(slow_modes: list[str], sleep_s: float = 0.4):
         config = {**TINY_FLUX["flux-tiny"], "slow_modes": slow_modes, "sleep_s": sleep_s}
         bake(tmp_path, "sleepy-flux", "sleepy", config)
@@ -159,8 +176,9 @@ def sleepy(tmp_path, monkeypatch):
 
 
 def _served_mode(store, **settings) -> tuple[str, dict]:
-    from app.http import create_app
     from fastapi.testclient import TestClient
+
+    from app.http import create_app
 
     settings = Settings(models_dir=store, models="sleepy", dtype="auto", **settings)
     with TestClient(create_app(settings, load_in_background=False)) as client:
@@ -245,8 +263,7 @@ def test_the_exact_path_serves_first_then_the_measured_mode(sleepy):
 
 
 # --- the tiled gate ----------------------------------------------------------------------------
-def test_the_tiled_check_decodes_more_than_one_tile(tmp_path, monkeypatch):
-    monkeypatch.setitem(FAMILIES, "tiled-hunyuan", "tests.family_tiled")
+def test_the_tiled_check_decodes_more_than_one_tile(tmp_path, tiled_family):
     config = hunyuan_video.SYNTHETIC["hunyuan-video-tiny"]
     bake(tmp_path, "tiled-hunyuan", "tiled", config)
     model = _runtime(tmp_path, "tiled", dtype="bfloat16").models["tiled"]
@@ -257,10 +274,9 @@ def test_the_tiled_check_decodes_more_than_one_tile(tmp_path, monkeypatch):
     assert "tiled" in {c.name for c in model.gate.checks} and model.tiled_gated
 
 
-def test_a_tiled_decode_whose_check_failed_runs_on_the_exact_path(tmp_path, monkeypatch):
+def test_a_tiled_decode_whose_check_failed_runs_on_the_exact_path(tmp_path, tiled_family):
     """A fast copy whose tiles are wrong: untiled decodes are served on it, tiled ones on the
     exact path (never a path the gate did not pass)."""
-    monkeypatch.setitem(FAMILIES, "tiled-hunyuan", "tests.family_tiled")
     config = {**hunyuan_video.SYNTHETIC["hunyuan-video-tiny"], "break_tiled": True}
     bake(tmp_path, "tiled-hunyuan", "broken", config)
     runtime = _runtime(tmp_path, "broken", dtype="bfloat16")

@@ -170,10 +170,9 @@ def test_bad_entries_are_named(tmp_path, checkpoints):
 UNPRIVILEGED_LOADER = """
 import json, os, sys
 import safetensors.torch  # noqa: F401  (imported while still root)
-from app.families import FAMILIES, family_module
+from app.families import families
 from app.store import list_models, load_model
-for family in FAMILIES:
-    family_module(family)
+families()  # every family's modules imported while still root
 os.setgroups([]); os.setgid(65534); os.setuid(65534)
 store, loaded = sys.argv[1], {}
 for name in list_models(store):

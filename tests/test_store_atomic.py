@@ -22,7 +22,7 @@ import requests
 import torch
 from diffusers import AutoencoderKL
 
-from app.families import family_module
+from app.families import family
 from app.store import (
     ENTRIES,
     PAUSE_ENV,
@@ -33,6 +33,7 @@ from app.store import (
     verify_entry,
     write_model,
 )
+from tests import store_encoder
 from tests.conftest import ROOT
 from tests.live import live_server
 from tests.test_store import CFG
@@ -49,7 +50,7 @@ def sources(tmp_path_factory) -> dict[str, dict]:
     for label, seed, factor in (("a", 1, 0.9), ("b", 2, 0.5)):
         torch.manual_seed(seed)
         AutoencoderKL(**CFG, scaling_factor=factor).save_pretrained(root / label)
-        config, state = family_module("flux").convert(root / label)
+        config, state = family("flux").decoder.convert(root / label)
         reference = write_model(root / "ref", label, "flux", config, state, source=label)
         out[label] = {
             "path": root / label,
@@ -104,7 +105,7 @@ def _versions(store: Path) -> list[str]:
 
 
 def _seed(store: Path, source: Path) -> None:
-    config, state = family_module("flux").convert(source)
+    config, state = family("flux").decoder.convert(source)
     write_model(store, "m", "flux", config, state, source=str(source.resolve()))
 
 
@@ -147,12 +148,12 @@ def _flatten(store: Path) -> None:
 
 def test_a_flat_entry_is_replaced_where_paths_cannot_be_exchanged(sources, tmp_path, monkeypatch):
     """Without renameat2 (not Linux): the flat folder is moved aside, then the link placed."""
-    import app.store
+    import app.store.write
 
     store = tmp_path / "store"
     _seed(store, sources["a"]["path"])
     _flatten(store)
-    monkeypatch.setattr(app.store, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(app.store.write, "_exchange", lambda a, b: False)
     _seed(store, sources["b"]["path"])
     assert (store / "m").is_symlink() and _served(store, sources) == "b"
     assert _versions(store) == [entry_dir(store, "m").name]
@@ -277,23 +278,24 @@ def test_bake_never_takes_a_killed_or_corrupt_entry_for_done(tmp_path):
 
 ENCODER_WRITER = """
 import sys
-import app.encoders
-from app.families import family_module
-app.encoders.ENCODERS["flux"] = "tests.store_encoder"
+from tests import store_encoder
+store_encoder.register()
+from app.families import family
 from app.store import write_model
 from safetensors.torch import load_file
-config, state = family_module("flux").convert(sys.argv[2])
-write_model(sys.argv[1], "m", "flux", config, state, source=sys.argv[2],
+config, state = family(store_encoder.KEY).decoder.convert(sys.argv[2])
+write_model(sys.argv[1], "m", store_encoder.KEY, config, state, source=sys.argv[2],
             encoder_state=load_file(sys.argv[3]), encoder_config={"width": 8})
 """
+ENCODED = store_encoder.KEY  # FLUX's decoder with the stand-in encoder (tests/store_encoder.py)
 
 
 @pytest.fixture
-def stand_in_encoder(monkeypatch):
-    """The flux family's encoder, for these tests: tests/store_encoder.py."""
-    import app.encoders
-
-    monkeypatch.setitem(app.encoders.ENCODERS, "flux", "tests.store_encoder")
+def stand_in_encoder():
+    """FLUX's decoder with a stand-in encoder, for these tests: the family of
+    tests/store_encoder.py, known while the test runs."""
+    with store_encoder.registered():
+        yield
 
 
 def _encoder_state(seed: int) -> dict[str, torch.Tensor]:
@@ -303,12 +305,12 @@ def _encoder_state(seed: int) -> dict[str, torch.Tensor]:
 
 def test_an_entry_holds_an_encoder_beside_its_decoder(sources, tmp_path, stand_in_encoder):
     store = tmp_path / "store"
-    config, state = family_module("flux").convert(sources["a"]["path"])
-    write_model(store, "dec-only", "flux", config, state, source="a")
+    config, state = family("flux").decoder.convert(sources["a"]["path"])
+    write_model(store, "dec-only", ENCODED, config, state, source="a")
     with pytest.raises(StoreError, match=r"^dec-only holds no encoder"):
         load_encoder(store, "dec-only")
     encoder = _encoder_state(0)
-    written = write_model(store, "both", "flux", config, state, source="a",
+    written = write_model(store, "both", ENCODED, config, state, source="a",
                           encoder_state=encoder, encoder_config={"width": 8})  # fmt: skip
     assert set(written.parts) == {"decoder", "encoder"}
     manifest, tensors = load_encoder(store, "both", verify=True)
@@ -320,8 +322,8 @@ def test_an_entry_holds_an_encoder_beside_its_decoder(sources, tmp_path, stand_i
 
 def test_a_write_killed_after_its_encoder_leaves_the_old_entry(sources, tmp_path, stand_in_encoder):
     store, new_encoder = tmp_path / "store", tmp_path / "encoder.safetensors"
-    config, state = family_module("flux").convert(sources["a"]["path"])
-    write_model(store, "m", "flux", config, state, source=str(sources["a"]["path"]),
+    config, state = family("flux").decoder.convert(sources["a"]["path"])
+    write_model(store, "m", ENCODED, config, state, source=str(sources["a"]["path"]),
                 encoder_state=_encoder_state(0), encoder_config={"width": 8})  # fmt: skip
     from safetensors.torch import save_file
 
@@ -341,12 +343,12 @@ def test_encoder_weights_are_checked_against_the_family_encoder(
     sources, tmp_path, stand_in_encoder
 ):
     store = tmp_path / "store"
-    config, state = family_module("flux").convert(sources["a"]["path"])
+    config, state = family("flux").decoder.convert(sources["a"]["path"])
     with pytest.raises(StoreError, match=r"^m: encoder: the config gives conv_in.weight the shape"):
-        write_model(store, "m", "flux", config, state, source="a",
+        write_model(store, "m", ENCODED, config, state, source="a",
                     encoder_state=_encoder_state(0), encoder_config={"width": 16})  # fmt: skip
     assert not (store / "m").exists()  # refused before anything was written
-    write_model(store, "m", "flux", config, state, source="a",
+    write_model(store, "m", ENCODED, config, state, source="a",
                 encoder_state=_encoder_state(0), encoder_config={"width": 8})  # fmt: skip
     path = store / "m" / "manifest.json"
     manifest = json.loads(path.read_text())
@@ -360,7 +362,7 @@ def test_encoder_weights_are_checked_against_the_family_encoder(
 def test_extra_files_are_published_with_their_entry_or_not_at_all(sources, tmp_path):
     """``extras`` (where gate references go) writes into the version before it is published."""
     store = tmp_path / "store"
-    config, state = family_module("flux").convert(sources["a"]["path"])
+    config, state = family("flux").decoder.convert(sources["a"]["path"])
 
     def reference(folder: Path, manifest) -> None:
         (folder / "gate.json").write_text(json.dumps({"sha256": manifest.sha256}))
@@ -372,7 +374,7 @@ def test_extra_files_are_published_with_their_entry_or_not_at_all(sources, tmp_p
         (folder / "gate.json").write_text("half")
         raise RuntimeError("gate failed")
 
-    _, other = family_module("flux").convert(sources["b"]["path"])
+    _, other = family("flux").decoder.convert(sources["b"]["path"])
     with pytest.raises(RuntimeError):
         write_model(store, "m", "flux", config, other, source="b", extras=failing)
     assert json.loads((entry_dir(store, "m") / "gate.json").read_text())["sha256"] == first.sha256
@@ -387,7 +389,7 @@ def test_the_server_serves_the_old_entry_after_a_killed_import_and_names_edited_
     edited manifest and a config wider than its weights are named in /readyz, not built."""
     store = tmp_path / "store"
     for name in ("m", "edited", "wide"):
-        config, state = family_module("flux").convert(sources["a"]["path"])
+        config, state = family("flux").decoder.convert(sources["a"]["path"])
         write_model(store, name, "flux", config, state, source=str(sources["a"]["path"]))
     _kill_at(store, sources["b"]["path"], "manifest")
     for name, key, value, drop in (("edited", "scaling_factor", 0.5, False),
@@ -414,7 +416,7 @@ def test_import_brings_the_encoder_the_family_finds_in_the_checkpoint(
     from app.cli import main
 
     store = tmp_path / "store"
-    argv = ["import", "flux", str(sources["a"]["path"]), "--name", "m", "--models-dir", str(store)]
+    argv = ["import", ENCODED, str(sources["a"]["path"]), "--name", "m", "--models-dir", str(store)]
     with pytest.raises(SystemExit) as done:
         main(argv)
     assert done.value.code == 0

@@ -181,8 +181,12 @@ def test_a_reader_that_stops_is_dropped_with_one_warning_and_its_ffmpeg_reaped(s
     assert not complete
     s.close()
     ours = [r for r in caplog.records if "stopped-reader" in r.getMessage()]
-    assert len(ours) == 1 and ours[0].levelno == logging.WARNING, ours
-    assert "read nothing" in ours[0].getMessage()
+    warned = [r for r in ours if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING, ours
+    assert "read nothing" in warned[0].getMessage()
+    # besides it, only the request's own line (one per request, with its id, at INFO)
+    others = [r for r in ours if r is not warned[0]]
+    assert [(r.name, r.levelno) for r in others] == [("app.protocol.request", logging.INFO)], ours
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
@@ -289,7 +293,7 @@ def test_a_stream_closed_midway_never_ends_its_body_cleanly():
     from app.telemetry.timing import PhaseTimer
 
     channel = FrameChannel(1 << 30, 30.0)
-    job = Job(model=None, request=None, timer=PhaseTimer(), channel=channel)
+    job = Job(part=None, request=None, timer=PhaseTimer(), channel=channel)
     frames = torch.randint(0, 255, (48, 64, 64, 3), dtype=torch.uint8)
     channel.put(frames)  # the decode goes on: the channel is never closed
     response = JobStream(Mp4Stream(job, 24.0), stall_s=10)

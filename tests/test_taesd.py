@@ -14,7 +14,6 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from app.families import ops
-
 from app.families.taesd import decoder as taesd
 from app.runtime import modes
 from app.telemetry import timing

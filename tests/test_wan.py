@@ -18,7 +18,6 @@ from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 from safetensors.torch import save_file
 
 from app.families import ops
-
 from app.families.wan import decoder as wan
 from app.runtime import modes
 from tests import helpers

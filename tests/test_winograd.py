@@ -9,11 +9,8 @@ from diffusers import AutoencoderKL
 from torch import nn
 
 from app.families import ops, winograd
-
 from app.families.flux import decoder as flux
-
 from app.families.hunyuan_video import decoder as hunyuan_video
-
 from app.families.wan import decoder as wan
 from app.runtime import modes
 from tests import helpers, test_hunyuan_video, test_ltx, test_ltx2, test_wan

@@ -118,8 +118,10 @@ def _serve(args: argparse.Namespace) -> int:
         create_app(settings),
         host=args.host,
         port=args.port,
+        # a bound only: on SIGTERM the drain sets it to what is left of the deadline
         timeout_graceful_shutdown=settings.drain_grace_s,
-        http=header_timeout_protocol(settings.header_timeout_s),  # slow-header clients: 408
+        # slow-header clients: 408; a request half in at the shutdown: 503
+        http=header_timeout_protocol(settings.header_timeout_s, settings.retry_after_s),
         server_header=False,  # no version banner for scanners
         proxy_headers=True,  # the client address from X-Forwarded-For, from trusted peers only
         forwarded_allow_ips=settings.forwarded_allow_ips,

@@ -9,6 +9,7 @@ no torch, so the command line fails fast on bad arguments.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ def encode_file(
         check_model(models_dir, model)
     except LocalDecodeError as exc:
         raise LocalEncodeError(str(exc)) from None
+    check_encoder(models_dir, model)
     t0 = time.perf_counter()
     from app.telemetry.timing import PhaseTimer
 
@@ -63,6 +65,19 @@ def encode_file(
     timer.add("import", time.perf_counter() - t0)
     shape = _encode(source, model, out, models_dir, dict(options or {}), timer)
     return shape, {name: seconds * 1000 for name, seconds in timer.phases().items()}
+
+
+def check_encoder(models_dir: Path, model: str) -> None:
+    """A decoder-only entry is refused from its manifest, before torch is imported or the
+    decoder is loaded (the store's own reader checks the manifest again when it loads)."""
+    try:
+        parts = json.loads((models_dir / model / "manifest.json").read_text()).get("parts")
+    except (OSError, ValueError) as exc:
+        raise LocalEncodeError(f"{model}: unreadable manifest: {exc}") from None
+    if not isinstance(parts, dict) or "encoder" not in parts:
+        raise LocalEncodeError(
+            f"{model} holds no encoder (a decoder-only entry): it can decode, not encode"
+        )
 
 
 def _encode(

@@ -131,6 +131,11 @@ class VAEEncoder(nn.Module, ABC):
         shape = (1, 3) + ((1 + self.temporal_scale,) if self.is_video else ()) + (side, side)
         return torch.rand(shape, generator=generator) * 2 - 1
 
+    def frames_problem(self, frames: int) -> str:
+        """Why a clip of ``frames`` frames cannot be encoded ("": it can): a family whose
+        reference refuses some counts says so in words, with its rule."""
+        return ""
+
     def keeps_float32(self, name: str) -> bool:
         """Whether parameter ``name`` stays float32 on a bf16/fp16 copy (as the decoders')."""
         return False

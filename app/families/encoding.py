@@ -1,12 +1,13 @@
-"""What the video encoder families share: diffusers-style spatial tiles and temporal windows
-(each encoded on its own, blended in latent space), the per-channel latent normalisation,
-reading a diffusers ``vae/`` folder's encoder half, and seeded synthetic weights."""
+"""What the video encoder families share: their input checks, ``moments`` and ``iter_moments``
+from one chunk schedule, diffusers-style spatial tiles and temporal windows (each encoded on
+its own, blended in latent space), the per-channel latent normalisation, reading a diffusers
+``vae/`` folder's encoder half, and seeded synthetic weights."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,30 +16,79 @@ from torch import Tensor, nn
 
 from app.families import ops
 from app.families.checkpoint import read_tensors, state_mismatch
+from app.families.encoder import Clip, TensorClip
 from app.families.tiling import Grid, blend_edge
 
 ENCODER_PREFIXES = ("encoder.", "quant_conv.")
 
 
+# a family's moments of a checked clip, chunk by chunk in order (``VAEEncoder.iter_moments``)
+Schedule = Callable[[Clip], Iterator[Tensor]]
+# raises a ValueError when an input of this shape cannot be encoded
+ShapeCheck = Callable[[tuple[int, ...]], None]
+
+
 def check_input(x: Tensor, channels: int, multiple: int) -> None:
     """``x`` is ``[B, channels, H, W]`` or ``[B, channels, T, H, W]`` with H and W multiples of
     ``multiple`` (what the encoder maps onto whole latent cells); a ValueError says what not."""
-    if x.ndim not in (4, 5) or x.shape[1] != channels:
+    check_shape(tuple(x.shape), channels, multiple)
+
+
+def check_shape(
+    shape: tuple[int, ...],
+    channels: int,
+    multiple: int,
+    frames_problem: Callable[[int], str] | None = None,
+) -> None:
+    """``check_input`` on a shape, and on its frame count: at least one, and none that
+    ``frames_problem`` names (the family's rule, ``VAEEncoder.frames_problem``)."""
+    if len(shape) not in (4, 5) or shape[1] != channels:
         raise ValueError(
-            f"input of shape {list(x.shape)}: expected [B, {channels}, H, W] or "
+            f"input of shape {list(shape)}: expected [B, {channels}, H, W] or "
             f"[B, {channels}, T, H, W]"
         )
-    h, w = x.shape[-2:]
+    h, w = shape[-2:]
     if h % multiple or w % multiple or not h or not w:
         raise ValueError(f"frame {h}x{w}: height and width must be multiples of {multiple}")
+    frames = shape[2] if len(shape) == 5 else 1
+    if frames < 1:
+        raise ValueError("a clip of no frames")
+    if frames_problem is not None and (problem := frames_problem(frames)):
+        raise ValueError(problem)
 
 
-def as_clip(x: Tensor, like: Tensor, channels: int, multiple: int) -> tuple[Tensor, bool]:
-    """``x`` checked (``check_input``), on ``like``'s device and dtype, as a clip
-    ``[B, C, T, H, W]``; and whether it was an image (whose moments go back 4-D)."""
-    check_input(x, channels, multiple)
-    x = x.to(device=like.device, dtype=like.dtype)
-    return (x.unsqueeze(2), True) if x.ndim == 4 else (x, False)
+def whole(schedule: Schedule, x: Tensor, check: ShapeCheck) -> Tensor:
+    """``VAEEncoder.moments`` of ``x`` from the family's ``schedule``: its chunks concatenated
+    (an image encoded as a one-frame clip, its moments back 4-D), so the two cannot differ."""
+    check(tuple(x.shape))
+    image = x.ndim == 4
+    m = joined(schedule(TensorClip(x.unsqueeze(2) if image else x)))
+    return m[:, :, 0] if image else m
+
+
+def chunked(schedule: Schedule, x: Tensor | Clip, check: ShapeCheck) -> Iterator[Tensor]:
+    """``VAEEncoder.iter_moments`` from the family's ``schedule``: a clip's chunks (a 5-D
+    tensor's too), an image's moments as one 4-D chunk. The input is checked on the first
+    ``next``, before any compute (the runtime answers that ``ValueError`` with a 422)."""
+    if isinstance(x, Tensor) and x.ndim != 5:
+        yield whole(schedule, x, check)
+        return
+    check(tuple(x.shape))
+    yield from schedule(TensorClip(x) if isinstance(x, Tensor) else x)
+
+
+def joined(chunks: Iterable[Tensor]) -> Tensor:
+    """Moment chunks concatenated along the latent frames (one chunk: itself)."""
+    parts = list(chunks)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+
+
+def take(clip: Clip, start: int, stop: int, like: Tensor) -> Tensor:
+    """Frames ``[start, stop)`` of ``clip`` on ``like``'s device and dtype, the frames before
+    ``stop`` released (a schedule whose units do not overlap)."""
+    x = clip.window(start, stop)
+    clip.release(stop)
+    return x.to(device=like.device, dtype=like.dtype)
 
 
 def stages(
@@ -77,17 +127,38 @@ def temporal_windows(
     """diffusers' ``_temporal_tiled_encode``: windows of ``size + 1`` frames every ``stride``
     frames, each through ``run``; each window but the first drops its first latent frame and
     is blended over ``(size - stride) // ratio`` latent frames into the one before; each keeps
-    ``stride // ratio`` latent frames (the first one more); cut to ``(T - 1) // ratio + 1``."""
+    ``stride // ratio`` latent frames (the first one more); cut to ``(T - 1) // ratio + 1``.
+    The concatenation of ``iter_temporal_windows``."""
+    return joined(iter_temporal_windows(run, TensorClip(x), ratio, size, stride))
+
+
+def iter_temporal_windows(
+    run: Callable[[Tensor], Tensor], clip: Clip, ratio: int, size: int, stride: int
+) -> Iterator[Tensor]:
+    """``temporal_windows`` window by window: each window read from ``clip`` when the one
+    before is done (the frames before the next window then released), its kept latent frames
+    yielded as soon as they are final. A blend writes only the later window's head, from the
+    earlier one's tail, so a window's kept part is final once it is blended from the one
+    before; only that one is held for the next blend. Windows past the cut are not run."""
     keep, blend = stride // ratio, size // ratio - stride // ratio
-    tiles = []
-    for start in range(0, x.shape[2], stride):
-        tile = run(x[:, :, start : start + size + 1])
-        tiles.append(tile[:, :, 1:] if start else tile)
-    kept = [tiles[0][:, :, : keep + 1]]
-    for prev, tile in zip(tiles[:-1], tiles[1:], strict=True):
-        blend_edge(prev, tile, blend, dim=2)
-        kept.append(tile[:, :, :keep])
-    return torch.cat(kept, 2)[:, :, : (x.shape[2] - 1) // ratio + 1]
+    left = (clip.shape[2] - 1) // ratio + 1  # latent frames still to yield
+    prev: Tensor | None = None
+    for start in range(0, clip.shape[2], stride):
+        if left <= 0:
+            break
+        tile = run(clip.window(start, start + size + 1))
+        clip.release(start + stride)
+        if prev is None:
+            kept = tile[:, :, : keep + 1]
+        else:
+            tile = tile[:, :, 1:]
+            blend_edge(prev, tile, blend, dim=2)
+            kept = tile[:, :, :keep]
+        kept = kept[:, :, :left]
+        left -= kept.shape[2]
+        if kept.shape[2]:
+            yield kept
+        prev = tile
 
 
 def normalize(z: Tensor, mean: Tensor, std: Tensor, scaling_factor: float = 1.0) -> Tensor:

@@ -17,9 +17,10 @@ from fastapi import FastAPI
 
 from app.config import Settings
 from app.http.auth import BearerAuth
-from app.http.drain import Drain, route_sigterm
+from app.http.drain import STOP_S, Drain, route_sigterm
 from app.http.envelope import Envelope
 from app.http.errors import install_error_handlers
+from app.http.handling import BodyBudget
 from app.http.routes import install_routes
 from app.http.serving import Serving
 from app.runtime import Runtime
@@ -50,9 +51,7 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
             runtime.load_all()
         yield
         restore()
-        # After a drain that ran out, the worker may still be decoding work already answered
-        # 503: do not hold the exit for it.
-        runtime.stop(timeout=0.5 if drain.expired.is_set() else 10.0)
+        runtime.stop(timeout=_stop_timeout(drain))
 
     app = FastAPI(
         title="VAE render service",
@@ -62,6 +61,7 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
     )
     app.state.runtime, app.state.metrics, app.state.settings = runtime, metrics, settings
     app.state.drain = drain
+    app.state.bodies = BodyBudget(settings.bodies_mb << 20)
     app.router.redirect_slashes = False  # Starlette's builds Location from Host: see errors.py
     # the last added is the outermost: the envelope also wraps auth's 401s
     app.add_middleware(
@@ -71,3 +71,13 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
     install_error_handlers(app)
     install_routes(app, Serving(runtime, metrics, settings, drain))
     return app
+
+
+def _stop_timeout(drain: Drain) -> float:
+    """How long the lifespan's shutdown waits for the decode worker: after a drain that ran
+    out, not at all (it may still be decoding work already answered 503, and cannot be
+    interrupted); else what is left of the SIGTERM's deadline (10 s without one)."""
+    if drain.expired.is_set():
+        return 0.0
+    left = drain.left(STOP_S / 2)
+    return 10.0 if left is None else min(10.0, left)

@@ -13,7 +13,10 @@ import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# probes, and the page for people (app/http/page.py: static; the calls it makes need a token)
+OPEN_PATHS = frozenset(
+    {"/healthz", "/readyz", "/", "/page/page.js", "/page/page.css", "/page/icon.svg"}
+)
 REALM = "vae"
 
 

@@ -17,7 +17,7 @@ from fastapi import Request, Response
 
 from app.http.decode import resolve_model
 from app.http.errors import runtime_error
-from app.http.handling import deadline, handled, outcome, read_body
+from app.http.handling import deadline, handled, outcome, read_body, release_body
 from app.http.serving import Serving
 from app.media import write
 from app.protocol import ProtocolError
@@ -55,6 +55,7 @@ async def _encode(
             deadline=deadline(request.state.started, head, settings),
             request_id=request.state.request_id,
         )
+        release_body(request)  # parsed into pixels (an MP4: its temporary file): bytes gone
         request.state.shape = list(encode.pixels.shape)
     try:
         latent = await _run(request, serving, Job(served, encode, timer))

@@ -24,9 +24,10 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
 }
+# a default: the pages for people (``/``, ``/docs``) send their own (page.py, docs.py)
 API_CSP = "default-src 'none'; frame-ancestors 'none'"
-DOC_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc"})  # Swagger UI needs scripts
-QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})  # probes and scrapes: DEBUG
+# probes, scrapes, and what the page (``/``) polls and loads: DEBUG when answered as expected
+QUIET_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/models", "/"})
 
 
 class Envelope:
@@ -50,7 +51,7 @@ class Envelope:
             nonlocal sent, status, size
             if message["type"] == "http.response.start":
                 sent, status = True, message["status"]
-                _decorate(MutableHeaders(scope=message), rid, started, scope["path"])
+                _decorate(MutableHeaders(scope=message), rid, started)
             elif message["type"] == "http.response.body":
                 size += len(message.get("body", b""))
             await send(message)
@@ -103,7 +104,8 @@ def _log(scope: Scope, rid: str, status: int, size: int, seconds: float) -> None
 
 def _quiet(path: str, status: int) -> bool:
     """A probe or scrape answered as expected (not ready yet is an expected answer)."""
-    return path in QUIET_PATHS and (status < 400 or (path == "/readyz" and status == 503))
+    quiet = path in QUIET_PATHS or path.startswith("/page/")
+    return quiet and (status < 400 or (path == "/readyz" and status == 503))
 
 
 def header(scope: Scope, name: bytes) -> str:
@@ -113,11 +115,10 @@ def header(scope: Scope, name: bytes) -> str:
     return ""
 
 
-def _decorate(headers: MutableHeaders, rid: str, started: float, path: str) -> None:
+def _decorate(headers: MutableHeaders, rid: str, started: float) -> None:
     headers["X-Request-Id"] = rid
     if "server-timing" not in headers:
         headers["Server-Timing"] = f"total;dur={(time.perf_counter() - started) * 1000:.2f}"
     for name, value in SECURITY_HEADERS.items():
         headers.setdefault(name, value)
-    if path not in DOC_PATHS:
-        headers.setdefault("Content-Security-Policy", API_CSP)
+    headers.setdefault("Content-Security-Policy", API_CSP)

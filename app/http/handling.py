@@ -1,15 +1,18 @@
 """What every decode and encode request goes through, whatever its body: accounting (the
 drain, ``Server-Timing``, metrics and the log line), the JSON answer of a refusal, the body read
-within its limit and time, the deadline, and the wait for the worker's outcome (a client that
-leaves, a deadline that passes, a drain that runs out)."""
+within its limit, its time and the process's body budget, the deadline, and the wait for the
+worker's outcome (a client that leaves, a deadline that passes, a drain that runs out)."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
@@ -17,7 +20,15 @@ from starlette.requests import ClientDisconnect
 
 from app.config import Settings
 from app.http.accounting import finisher, server_timing
-from app.http.errors import CLIENT_GONE, ClientGone, deadline_error, error_response, runtime_error
+from app.http.drain import Drain
+from app.http.errors import (
+    ANOTHER_INSTANCE,
+    CLIENT_GONE,
+    ClientGone,
+    deadline_error,
+    error_response,
+    runtime_error,
+)
 from app.http.mp4 import JobStream
 from app.http.serving import Serving
 from app.protocol import Head, ProtocolError
@@ -28,6 +39,87 @@ log = logging.getLogger("app.service")
 # refusals that can leave part of the body unread: the connection closes after them (the
 # server's protocol reads and drops the rest for a while first, app/http/timeouts.py)
 BODY_LEFT_UNREAD = frozenset({408, 413})
+# A burst of bodies this large, once all released, gives the heap's free pages back to the
+# OS: glibc keeps what a burst's chunks and parse copies left in its heaps otherwise (the
+# process ratcheted to GBs). malloc_trim rather than a fixed M_MMAP_THRESHOLD: as good for
+# the bodies (README, "Limits"), and it costs the decodes' mid-size tensors no page faults.
+TRIM_AFTER = 64 << 20
+# glibc only (the process's own symbols): elsewhere the allocator is left as it is
+_TRIM: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_trim", None)
+
+
+def trim_malloc(burst: int, limit: int) -> None:
+    """Give the heap's free pages back to the OS, on a thread: it walks the whole heap."""
+
+    def trim() -> None:
+        if _TRIM is not None:
+            _TRIM(0)
+        log.info("request bodies: %d bytes at the burst's peak of a %d-byte budget, all "
+                 "released", burst, limit)  # fmt: skip
+
+    threading.Thread(target=trim, name="malloc-trim", daemon=True).start()
+
+
+class BodyBudget:
+    """The bytes of request bodies in flight, all requests together, reserved before they
+    are read: a burst of large uploads holds at most ``limit`` bytes of bodies."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.peak = 0  # the most held since the budget was last empty: this burst's
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bool:
+        with self._lock:
+            if self.held + size > self.limit:
+                return False
+            self.held += size
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def give(self, size: int) -> None:
+        with self._lock:
+            self.held -= size
+            burst = self.peak if self.held == 0 else 0
+            if self.held == 0:
+                self.peak = 0
+        if burst >= TRIM_AFTER:  # the last large body of a burst is released
+            trim_malloc(burst, self.limit)
+
+
+@dataclass
+class BodyLease:
+    """One request's share of the ``BodyBudget``; released once, whatever ends it."""
+
+    budget: BodyBudget
+    held: int = 0
+
+    def cover(self, size: int) -> None:
+        """Hold ``size`` bytes in all: 429 when the budget cannot hold them now, 413 never."""
+        more = size - self.held
+        if more <= 0:
+            return
+        limit = self.budget.limit
+        if size > limit:
+            raise ProtocolError(
+                413,
+                f"a body of {size} bytes exceeds the {limit >> 20} MiB budget of request bodies"
+                f" in flight (VAE_BODIES_MB)",
+            )
+        if not self.budget.take(more):
+            raise ProtocolError(
+                429,
+                f"request bodies in flight hold the budget ({limit >> 20} MiB): this one's "
+                f"{size} bytes do not fit now",
+                "retry after Retry-After seconds",
+            )
+        self.held = size
+
+    def release(self) -> None:
+        held, self.held = self.held, 0
+        if held:
+            self.budget.give(held)
 
 
 async def handled(
@@ -51,15 +143,28 @@ async def handled(
     except BaseException:  # cancelled by a hard shutdown: still account for it
         serving.drain.active -= 1
         raise
+    finally:
+        release_body(request)  # if the handler has not already
     response.headers["Server-Timing"] = server_timing(timer.phases(), time.perf_counter() - started)
     if output is not None:
         response.headers.setdefault("x-output", output)
     finish = finisher(request, response, name, serving, timer, started, op)
     if isinstance(response, JobStream):
-        response.on_close = finish
+        response.on_close = _streaming(serving.drain, finish)
     else:
         finish(len(response.body))
     return response
+
+
+def _streaming(drain: Drain, finish: Callable[[int], None]) -> Callable[[int], None]:
+    """Count a stream in the drain's ``streams`` until it closes (then ``finish``)."""
+    drain.streams += 1
+
+    def closed(size: int) -> None:
+        drain.streams -= 1
+        finish(size)
+
+    return closed
 
 
 async def answered(
@@ -69,11 +174,12 @@ async def answered(
     settings, drain = serving.settings, serving.drain
     try:
         if drain.draining:
-            raise ProtocolError(503, "the service is shutting down", "retry: another instance")
+            raise ProtocolError(503, "the service is shutting down", ANOTHER_INSTANCE)
         return await work()
     except ProtocolError as exc:
         headers = {"Retry-After": str(settings.retry_after_s)} if exc.status in (429, 503) else {}
-        if drain.draining or exc.status in BODY_LEFT_UNREAD:
+        unread = getattr(request.state, "body_unread", False)
+        if drain.draining or unread or exc.status in BODY_LEFT_UNREAD:
             headers["Connection"] = "close"  # the server lingers: the client reads this
         return error_response(exc.status, exc.body(), headers)
     except ClientGone:
@@ -83,25 +189,83 @@ async def answered(
         return error_response(500, {"error": "internal server error"})
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, refused with 413 as soon as it exceeds the limit (not after reading it all),
-    and with 408 when it does not arrive within ``timeout_s`` (a slow-loris upload)."""
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytearray:
+    """The body, within the process's body budget (reserved before it is read: 429 when the
+    budget cannot hold it now), refused with 413 as soon as it exceeds the limit (not after
+    reading it all), with 408 when it does not arrive within ``timeout_s`` (a slow-loris
+    upload), and with 503 at once when a shutdown begins while it is still arriving."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        request.state.body_unread = True
         raise ProtocolError(413, f"body of {declared[:32]} bytes exceeds the limit of {limit}")
-    chunks, size = [], 0
+    lease = request.state.body_lease = BodyLease(request.app.state.bodies)
+    size = None if declared is None else int(declared)
+    reading = asyncio.ensure_future(_receive(request, lease, limit, size))
+    shutdown = asyncio.ensure_future(request.app.state.drain.began.wait())
     try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise ProtocolError(413, f"body exceeds the limit of {limit} bytes")
-                chunks.append(chunk)
-    except TimeoutError:
-        raise ProtocolError(408, f"the body did not arrive within {timeout_s:g} s") from None
+        done, _ = await asyncio.wait(
+            {reading, shutdown}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if reading in done:
+            return reading.result()  # the body, or the refusal raised while it arrived
+    except ProtocolError:
+        request.state.body_unread = True
+        raise
+    finally:
+        reading.cancel()
+        shutdown.cancel()
+    request.state.body_unread = True
+    if shutdown in done:
+        raise ProtocolError(503, "the service is shutting down", ANOTHER_INSTANCE)
+    raise ProtocolError(408, f"the body did not arrive within {timeout_s:g} s")
+
+
+def release_body(request: Request) -> None:
+    """The request's body is no longer held (parsed, or the request is over): its share of
+    the body budget goes back."""
+    lease = getattr(request.state, "body_lease", None)
+    if lease is not None:
+        lease.release()
+
+
+async def _receive(request: Request, lease: BodyLease, limit: int, size: int | None) -> bytearray:
+    try:
+        if size is None:
+            return await _receive_chunked(request, lease, limit)
+        lease.cover(size)
+        return await _receive_declared(request, size)
     except ClientDisconnect:
         raise ClientGone from None
-    return b"".join(chunks)
+
+
+async def _receive_declared(request: Request, size: int) -> bytearray:
+    """A body of a declared length, into one buffer of that length (no chunks, no join)."""
+    body = bytearray(size)
+    view, got = memoryview(body), 0
+    try:
+        async for chunk in request.stream():
+            end = got + len(chunk)
+            if end > size:  # h11 frames the body by Content-Length: never more than declared
+                raise ProtocolError(413, f"body exceeds its Content-Length of {size} bytes")
+            view[got:end] = chunk
+            got = end
+    finally:
+        view.release()
+    if got < size:  # a stream that ends early is a disconnect (Starlette raises it first)
+        raise ClientGone
+    return body
+
+
+async def _receive_chunked(request: Request, lease: BodyLease, limit: int) -> bytearray:
+    """A chunked body: its budget share grows with it."""
+    body = bytearray()
+    async for chunk in request.stream():
+        size = len(body) + len(chunk)
+        if size > limit:
+            raise ProtocolError(413, f"body exceeds the limit of {limit} bytes")
+        lease.cover(size)
+        body += chunk
+    return body
 
 
 def deadline(started: float, head: Head, settings: Settings) -> float:
@@ -135,7 +299,7 @@ async def outcome(request: Request, job: Job, future: Future) -> Any:
                     503,
                     f"the service is shutting down: its drain grace ran out before this "
                     f"{job.part.part} run finished",
-                    "retry: another instance",
+                    ANOTHER_INSTANCE,
                 )
             if job.future.cancel():  # still queued at its deadline: refuse it
                 raise deadline_error(time.perf_counter() - job.enqueued, job.part.part)

@@ -1,4 +1,6 @@
-"""The routes: health, readiness, the model list, metrics, the decode and the encode routes."""
+"""The routes: health, readiness, the model list, metrics, the decode and the encode routes,
+the page for people (app/http/page.py) and the API docs (app/http/docs.py). What each route
+takes and answers is described in app/http/openapi.py (``GET /openapi.json``)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.http.decode import handle_decode
+from app.http.docs import install_docs
 from app.http.encode import handle_encode
-from app.http.openapi import BODY_DOC, ENCODE_BODY_DOC
+from app.http.openapi import install_openapi
+from app.http.page import install_page
 from app.http.serving import Serving
 from app.runtime import Runtime
 
@@ -46,29 +50,25 @@ def install_routes(app: FastAPI, serving: Serving) -> None:
     async def prometheus() -> Response:
         return Response(serving.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
-    @app.post(
-        "/decode/{model}", summary="Decode one latent (batch allowed)", openapi_extra=BODY_DOC
-    )
+    @app.post("/decode/{model}", summary="Decode one latent (batch allowed)")
     async def decode_named(model: str, request: Request) -> Response:
         return await handle_decode(request, model, serving)
 
-    @app.post("/decode", summary="Decode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=BODY_DOC)
+    @app.post("/decode", summary="Decode with ?model= or VAE_DEFAULT_MODEL")
     async def decode_default(request: Request) -> Response:
         return await handle_decode(request, None, serving)
 
-    @app.post(
-        "/encode/{model}",
-        summary="Encode an image, video or pixel tensor to a latent",
-        openapi_extra=ENCODE_BODY_DOC,
-    )
+    @app.post("/encode/{model}", summary="Encode an image, video or pixel tensor to a latent")
     async def encode_named(model: str, request: Request) -> Response:
         return await handle_encode(request, model, serving)
 
-    @app.post(
-        "/encode", summary="Encode with ?model= or VAE_DEFAULT_MODEL", openapi_extra=ENCODE_BODY_DOC
-    )
+    @app.post("/encode", summary="Encode with ?model= or VAE_DEFAULT_MODEL")
     async def encode_default(request: Request) -> Response:
         return await handle_encode(request, None, serving)
+
+    install_page(app)  # GET / and its assets
+    install_docs(app)  # GET /docs and its assets, in place of FastAPI's CDN pages
+    install_openapi(app)  # GET /openapi.json: every route above as it answers
 
 
 def _described(name: str, model: dict[str, Any], runtime: Runtime) -> dict[str, Any]:

@@ -13,6 +13,9 @@
   what the client is still sending, up to ``LINGER_BYTES`` or ``LINGER_S``, then closes.
   Closing a socket with unread data in it sends a TCP reset, which can destroy the answer
   before a client still uploading reads it.
+* Shutdown: a connection holding part of a request (its headers not all in) is answered 503
+  (+ ``Retry-After``) before it closes, so every request that reached the server gets an
+  answer; an idle keep-alive connection is closed at once, without the linger.
 """
 
 from __future__ import annotations
@@ -37,6 +40,18 @@ TIMEOUT_RESPONSE = (
 MALFORMED_BODY = json.dumps(
     {"error": "malformed HTTP request", "expected": "an HTTP/1.1 request (RFC 9112)"}
 ).encode()
+_SHUTDOWN_BODY = json.dumps(
+    {"error": "the service is shutting down", "expected": "retry: another instance"}
+).encode()
+
+
+def shutdown_response(retry_after_s: int) -> bytes:
+    """The 503 a connection holding part of a request gets when the server shuts down."""
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        b"retry-after: %d\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+        % (retry_after_s, len(_SHUTDOWN_BODY), _SHUTDOWN_BODY)
+    )
 
 
 class LingeringTransport:
@@ -86,9 +101,11 @@ class LingeringTransport:
         self._transport.close()
 
 
-def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
+def header_timeout_protocol(seconds: float, retry_after_s: int = 1) -> type[H11Protocol]:
     """uvicorn's h11 protocol with a ``seconds`` deadline on each request's headers, JSON
-    400s and lingering closes; pass it as ``uvicorn.run(..., http=...)``."""
+    400s, lingering closes and a 503 (``Retry-After: retry_after_s``) for a request caught
+    half-received by the shutdown; pass it as ``uvicorn.run(..., http=...)``."""
+    shutting_down = shutdown_response(retry_after_s)
 
     class HeaderTimeoutProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
@@ -129,6 +146,25 @@ def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
             super().handle_events()
             if self.conn.their_state is not h11.IDLE:  # its headers are in
                 self._disarm()
+
+        def shutdown(self) -> None:
+            transport = self.transport
+            if not isinstance(transport, LingeringTransport):
+                super().shutdown()
+                return
+            if transport.is_closing():
+                return  # an answered refusal lingers: it ends on its own (client EOF, timer)
+            if self.cycle is not None and not self.cycle.response_complete:
+                super().shutdown()  # a request in the app: it answers, then the close
+                return
+            self._disarm()
+            if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+                transport.write(shutting_down)  # headers half in: answered, then lingers
+                transport.close()
+            elif self.conn.their_state is h11.IDLE:
+                transport.shut()  # idle keep-alive: nothing to answer, nothing to linger for
+            else:
+                super().shutdown()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,7 +27,9 @@ from pathlib import Path
 from typing import IO
 
 import numpy as np
+import torch
 from PIL import Image
+from torch import Tensor
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what Pillow may open: no other plugin sees a body
 MP4_DEMUXERS = "mov,mp4,m4a,3gp,3g2,mj2"  # ffmpeg's one ISO-BMFF demuxer, all its names
@@ -82,6 +85,79 @@ class VideoInfo:
     width: int
     height: int
     frames: int  # packets counted; past a given ``max_frames`` only ``max_frames + 1``
+
+
+def to_pixels(frames: list[Image.Image], multiple: int) -> Tensor:
+    """RGB frames -> ``[3, T, H, W]`` float32 in [-1, 1], as diffusers' ``VaeImageProcessor``
+    makes them: sizes rounded down to ``multiple`` with Lanczos, then ``2 * x / 255 - 1``."""
+    w, h = frames[0].size
+    size = (w - w % multiple, h - h % multiple)
+    if min(size) < multiple:
+        raise MediaError(422, f"input {w}x{h} is smaller than one latent cell ({multiple} px)")
+    if size != (w, h):  # diffusers' resize to the scale factor's multiple
+        frames = [f.resize(size, resample=Image.LANCZOS) for f in frames]
+    array = np.stack([np.asarray(f, dtype=np.float32) for f in frames])  # [T,H,W,3]
+    return torch.from_numpy(array).permute(3, 0, 1, 2) / 127.5 - 1.0
+
+
+class Mp4Clip:
+    """An MP4 body's frames as an encoder reads them (``app.families.encoder.Clip``): decoded
+    from ffmpeg only when a window asks for them, each made into pixels as ``to_pixels``
+    makes them, the frames before ``release`` dropped. The whole clip is never in memory:
+    what an encode holds is its schedule's window. Owns the body's temporary file until
+    ``close``."""
+
+    def __init__(self, body: bytes, *, max_frames: int, max_pixels: int, multiple: int) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="encode-")
+        self._cleanup = weakref.finalize(self, self._folder.cleanup)  # also if never closed
+        path = Path(self._folder.name) / "body.mp4"
+        path.write_bytes(body)
+        self.info = probe_mp4(path, max_frames=max_frames, max_pixels=max_pixels)
+        self._frames = mp4_frames(path, self.info, max_frames=max_frames)
+        self._multiple = multiple
+        self._held: dict[int, Tensor] = {}
+        self._decoded = self._released = 0
+        self._size: tuple[int, ...] = ()
+        first = self._next_frame()
+        if first is None:
+            self.close()
+            raise _unreadable("it holds no frames")
+        _, h, w = self._size = tuple(first.shape)
+        self.shape = (1, 3, self.info.frames, h, w)
+
+    def window(self, start: int, stop: int) -> Tensor:
+        """Frames ``[start, stop)`` as ``[1, 3, t, H, W]`` (fewer at the end of the clip)."""
+        stop = min(stop, self.shape[2])
+        if start < self._released:
+            raise ValueError(f"frames before {self._released} were released; asked from {start}")
+        while self._decoded < stop:
+            if self._next_frame() is None:
+                raise ValueError(
+                    f"the MP4 decodes to {self._decoded} frames, its index counts {self.shape[2]}"
+                )
+        return torch.stack([self._held[i] for i in range(start, stop)], 1).unsqueeze(0)
+
+    def release(self, before: int) -> None:
+        for i in range(self._released, min(before, self._decoded)):
+            self._held.pop(i, None)
+        self._released = max(self._released, before)
+
+    def close(self) -> None:
+        """End ffmpeg and remove the body's temporary file."""
+        self._frames.close()
+        self._held.clear()
+        self._cleanup()
+
+    def _next_frame(self) -> Tensor | None:
+        frame = next(self._frames, None)
+        if frame is None:
+            return None
+        pixels = to_pixels([Image.fromarray(frame)], self._multiple)[:, 0]
+        if self._size and tuple(pixels.shape) != self._size:
+            raise _unreadable("its frames change size")
+        self._held[self._decoded] = pixels
+        self._decoded += 1
+        return pixels
 
 
 @contextmanager

@@ -70,7 +70,9 @@ def _parse_raw(body: bytes, params: DecodeParams) -> Tensor:
         )
     if not body:
         raise ProtocolError(400, "empty body")
-    return torch.frombuffer(bytearray(body), dtype=dtype).reshape(params.shape)
+    # a bytearray body (how the service reads one) is used in place: no second copy
+    buffer = body if isinstance(body, bytearray) else bytearray(body)
+    return torch.frombuffer(buffer, dtype=dtype).reshape(params.shape)
 
 
 def _parse_safetensors(body: bytes) -> Tensor:
@@ -78,7 +80,7 @@ def _parse_safetensors(body: bytes) -> Tensor:
     from safetensors.torch import load
 
     try:
-        tensors = load(body)
+        tensors = load(bytes(body))  # safetensors takes bytes only
     except (SafetensorError, ValueError, RuntimeError, OverflowError) as exc:
         raise ProtocolError(400, f"body is not a valid safetensors file: {_plain(exc)}") from None
     if len(tensors) != 1:

@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
-import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
@@ -72,6 +71,7 @@ class EncoderGeometry:
     spatial_scale: int
     is_video: bool
     working_bytes: Callable[[tuple[int, ...]], int]
+    frames_problem: Callable[[int], str] = lambda frames: ""  # "": encodable
 
     @classmethod
     def of(cls, encoder: VAEEncoder) -> EncoderGeometry:
@@ -81,6 +81,7 @@ class EncoderGeometry:
             encoder.spatial_scale,
             encoder.is_video,
             lambda shape: encoder.working_bytes(tuple(shape), size),
+            encoder.frames_problem,
         )
 
 
@@ -264,6 +265,8 @@ def _check_size(b: int, frames: int, h: int, w: int, geo: EncoderGeometry, limit
         raise ProtocolError(
             422, f"input {w}x{h} is smaller than one latent cell", f">= {geo.spatial_scale} px"
         )
+    if geo.is_video and (problem := geo.frames_problem(frames)):
+        raise ProtocolError(422, f"the {geo.family} encoder refuses {frames} frames: {problem}")
 
 
 P = ParamSpec("P")
@@ -320,36 +323,35 @@ def read_image(
 
 def _to_pixels(frames: list[Image.Image], multiple: int) -> Tensor:
     """RGB frames -> ``[1,3,H,W]`` (one) or ``[1,3,T,H,W]`` in [-1, 1]."""
-    w, h = frames[0].size
-    size = (w - w % multiple, h - h % multiple)
-    if min(size) < multiple:
-        raise ProtocolError(422, f"input {w}x{h} is smaller than {multiple} px", f">= {multiple}")
-    if size != (w, h):  # diffusers' resize to the scale factor's multiple
-        frames = [f.resize(size, resample=Image.LANCZOS) for f in frames]
-    array = np.stack([np.asarray(f, dtype=np.float32) for f in frames])  # [T,H,W,3]
-    pixels = torch.from_numpy(array).permute(3, 0, 1, 2).unsqueeze(0) / 127.5 - 1.0
+    try:
+        pixels = media_read.to_pixels(frames, multiple).unsqueeze(0)
+    except media_read.MediaError as exc:
+        raise ProtocolError(exc.status, exc.message, f">= {multiple} px") from None
     return pixels[:, :, 0] if len(frames) == 1 else pixels.contiguous()
 
 
 @_memory_is_503
-def read_mp4(body: bytes, geo: EncoderGeometry, limits: Limits) -> Tensor:
-    """An MP4 body -> ``[1,3,T,H,W]`` in [-1, 1], read by ``app.media.read`` (the container
-    forced to MP4, nothing else opened). The frame count and size are probed and checked,
-    the encoder's working memory included, before any frame is decoded; decoding stops
-    at ``max_frames`` whatever the probe counted."""
-    max_frames = limits.max_frames
+def read_mp4(body: bytes, geo: EncoderGeometry, limits: Limits) -> media_read.Mp4Clip:
+    """An MP4 body -> a clip the encoder reads window by window (``app.media.read.Mp4Clip``:
+    the container forced to MP4, nothing else opened, the frames decoded as the encoder asks
+    for them and never all held). The frame count and size are probed and checked before
+    any frame is decoded, and the encoder's working memory and frame rule with the first
+    frame's size before the request is queued; decoding stops at ``max_frames`` whatever the
+    probe counted."""
     try:
-        with media_read.mp4_file(body) as path:
-            info = media_read.probe_mp4(path, max_frames=max_frames, max_pixels=limits.max_pixels)
-            _check_size(1, info.frames, info.height, info.width, geo, limits)
-            decoded = media_read.mp4_frames(path, info, max_frames=max_frames)
-            frames = [Image.fromarray(frame) for frame in decoded]
+        clip = media_read.Mp4Clip(
+            body,
+            max_frames=limits.max_frames,
+            max_pixels=limits.max_pixels,
+            multiple=geo.spatial_scale,
+        )
     except media_read.MediaError as exc:
         message = f"the body is {exc.message}" if exc.status == 400 else exc.message
         raise ProtocolError(exc.status, message) from None
-    if not frames:
-        raise ProtocolError(400, "the MP4 holds no frames")
-    w, h = frames[0].size  # a display rotation may have swapped the probed size
-    _check_size(1, len(frames), h, w, geo, limits)
-    pixels = _to_pixels(frames, geo.spatial_scale)
-    return pixels if pixels.ndim == 5 else pixels.unsqueeze(2)
+    try:
+        _, _, frames, h, w = clip.shape
+        _check_size(1, frames, h, w, geo, limits)
+    except BaseException:
+        clip.close()
+        raise
+    return clip

@@ -24,7 +24,7 @@ from app.runtime import gate, modes, references, selection
 from app.runtime.parts import DECODER, ENCODER, ModelState, ServedPart
 from app.store import Manifest, StoreError, list_models, load_part, verify_part
 from app.telemetry import timing
-from app.telemetry.metrics import Metrics
+from app.telemetry.metrics import ENCODE_OUTPUTS, IMAGE_OUTPUTS, VIDEO_OUTPUTS, Metrics
 
 log = logging.getLogger("app.runtime.registry")
 
@@ -214,6 +214,7 @@ class Registry:
             dtype = str(candidate.mode.dtype).removeprefix("torch.")
             reason = f"parity cosine {report.cosine:.6f} < {min_cos} on {self.device.type}/{dtype}"
             if self.settings.fallback == "off":
+                self._export(entry, report.cosine, False)  # the cosine, though not served
                 raise RuntimeError(f"{_what(entry)}: {reason} and VAE_FALLBACK=off")
             log.warning("%s served on the float32 CPU fallback: %s", _what(entry), reason)
         fast = candidate.copy or entry.reference
@@ -246,14 +247,28 @@ class Registry:
         )
 
     def _export(self, entry: _Entry, cosine: float, fallback: bool) -> None:
-        """The decoder's gauges: parity, fallback, and ``vae_model_load_seconds`` by phase."""
+        """A part's metrics. A part served (its selection pending or done; one refused by
+        ``VAE_FALLBACK=off`` only exports its cosine) has its request label sets created at 0
+        before any request can count under its name (``Metrics.init_labels``). A decoder's
+        gauges: parity, fallback and ``vae_model_load_seconds`` by phase, where ``total`` is
+        the time until it first served and the modes measured after ready (``VAE_SELECT``)
+        are ``select``, not ``gate`` (docs/metrics.md)."""
+        name, state = entry.name, entry.state
+        if state.selection in ("pending", "done"):
+            if entry.part != DECODER:
+                self.metrics.init_labels(name, ENCODE_OUTPUTS, refused_output=ENCODE_OUTPUTS[0])
+            else:
+                video = entry.reference.is_video
+                self.metrics.init_labels(name, VIDEO_OUTPUTS if video else IMAGE_OUTPUTS)
         if entry.part != DECODER:
             return
-        name, state = entry.name, entry.state
         self.metrics.parity_cosine.labels(name).set(cosine)
         self.metrics.fallback_active.labels(name).set(int(fallback))
-        self.metrics.model_load_seconds.labels(name, "total").set(state.elapsed())
+        after_ready = state.state == "ready"  # select_pending: the exact path served first
+        if not after_ready:
+            self.metrics.model_load_seconds.labels(name, "total").set(state.elapsed())
         for phase, seconds in state.phases.items():
+            phase = "select" if after_ready and phase == "gate" else phase
             self.metrics.model_load_seconds.labels(name, phase).set(seconds)
 
     # --- what the service reads -----------------------------------------------------------

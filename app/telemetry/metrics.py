@@ -3,7 +3,7 @@ alerts use them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
@@ -19,11 +19,12 @@ from prometheus_client.registry import Collector
 
 from app.telemetry.gpu_stats import register_gpu_stats
 
-# No `*_created` series: nothing here reads them, and Managed Prometheus bills every series.
+# No `*_created` series: nothing here reads them, and Managed Prometheus bills every sample it
+# ingests: each series exported costs one sample per scrape, whether it changes or not.
 disable_created_metrics()
 
-# Buckets are few on purpose: Managed Prometheus bills every series, and each bucket is one per
-# label set. Series per replica and model: docs/metrics.md, "Series per replica".
+# Buckets are few on purpose: each bucket is one series per label set, and each series one billed
+# sample per scrape. Series per replica and model: docs/metrics.md, "Series per replica".
 # queue wait, device decode and encode of a request: 1 ms .. 1 min
 SPAN_BUCKETS = (0.005, 0.025, 0.1, 0.5, 2.5, 10, 60)
 # whole requests: the queue (VAE_MAX_REQUEST_TIMEOUT_S) plus the longest admitted decode, up to
@@ -55,6 +56,18 @@ class ByKind:
 
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+
+# Label sets created at 0 before any request (``Metrics.init_labels``), so that a counter's first
+# burst is an increase from 0 that rate() and increase() see, not the first sample of a new series
+# (docs/metrics.md, "Series that exist from the start"). The codes the alerts watch: 429
+# (VaeShedding), 500 and 503 (VaeErrorRatioHigh) ...
+REFUSAL_CODES = ("429", "500", "503")
+# ... the outputs a successful decode has (the request-rate panels group by model and output) ...
+IMAGE_OUTPUTS = ("png", "jpg", "webp", "tensor", "uint8", "unit_tensor")
+VIDEO_OUTPUTS = ("tensor", "uint8", "unit_tensor", "mp4")
+ENCODE_OUTPUTS = ("latent",)  # an encode's output label, its refusals' too (app/http/encode.py)
+# ... and the device-retry panel's paths (``app/runtime/runner.py``: reason "oom")
+RETRY_PATHS = ("tiled", "cpu")
 
 
 def code_class(code: int) -> str:
@@ -168,6 +181,22 @@ class Metrics:
         )
         r.register(DeviceMemory())
         register_gpu_stats(r)  # NVML utilization + memory; nothing on a CPU host
+        # refusals that name no served model ("-"): a full queue or body budget, a shutdown
+        self.init_labels("-", ())
+
+    def init_labels(self, model: str, outputs: Iterable[str], refused_output: str = "-") -> None:
+        """Create, at 0, the label sets of ``model`` that alerts and panels watch: a success per
+        output in ``outputs``, a refusal (``REFUSAL_CODES``, labelled ``refused_output``: ``-``
+        for a decode, which refuses before it chooses an output) and its device retries.
+        Idempotent; the registry calls it when it serves a part (``app/runtime/registry.py``),
+        before any request can be counted under the model's name."""
+        for output in outputs:
+            self.requests_total.labels(model, output, "200")
+        for code in REFUSAL_CODES:
+            self.requests_total.labels(model, refused_output, code)
+        if model != "-":
+            for path in RETRY_PATHS:
+                self.retries_total.labels(model, "oom", path)
 
     def observe_phases(
         self, model: str, device: str, phases: dict[str, float], op: str = "decode"

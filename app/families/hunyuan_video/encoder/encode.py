@@ -9,12 +9,16 @@ Options of ``moments`` / ``encode`` (unknown ones are ignored):
   tiled (bool): diffusers' spatial tiles (``enable_tiling``), ``tile_sample_size`` /
       ``tile_sample_stride`` pixels (default 256 / 192); only where the frame is larger
       than one tile (inside each window when both apply).
-A clip of ``1 + 4k`` frames gives ``1 + k`` latent frames.
+``iter_moments`` yields each window's kept latent frames once they are final (a clip in one
+window: one chunk); ``moments`` is their concatenation.
+Frames: any count, as the reference; ``1 + 4k`` frames give ``1 + k`` latent frames (``T``
+frames: ``(T - 1) // 4 + 1``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -22,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from app.families import encoding
-from app.families.encoder import VAEEncoder
+from app.families.encoder import Clip, VAEEncoder
 from app.families.encoder_memory import Level, peak_values
 from app.families.hunyuan_video.encoder.model import EncoderNet, EncoderSpec, down_strides
 
@@ -105,15 +109,31 @@ class Encoder(VAEEncoder):
     # --- encoding ------------------------------------------------------------------------
     @torch.no_grad()
     def moments(self, x: Tensor, **options: Any) -> Tensor:
-        x, image = encoding.as_clip(
-            x, self.quant_conv.weight, self.spec.in_channels, self.spatial_scale
-        )
-        frames = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
-        if options.get("framewise", True) and x.shape[2] > frames:
-            m = self._windows(x, options)
-        else:
-            m = self._frame(x, options)
-        return m[:, :, 0] if image else m
+        return encoding.whole(partial(self._chunks, options=options), x, self._check)
+
+    @torch.no_grad()
+    def iter_moments(self, x: Tensor | Clip, **options: Any) -> Iterator[Tensor]:
+        """Each temporal window's kept latent frames as soon as they are final, each window
+        read from the clip only then; a clip in one window (or ``framewise=False``): one
+        chunk (the mid block's attention spans all of a window's frames)."""
+        yield from encoding.chunked(partial(self._chunks, options=options), x, self._check)
+
+    def _check(self, shape: tuple[int, ...]) -> None:
+        encoding.check_shape(shape, self.spec.in_channels, self.spatial_scale, self.frames_problem)
+
+    def _chunks(self, clip: Clip, options: dict[str, Any]) -> Iterator[Tensor]:
+        size = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
+        if not options.get("framewise", True) or clip.shape[2] <= size:
+            x = encoding.take(clip, 0, clip.shape[2], self.quant_conv.weight)
+            yield self._frame(x, options)
+            return
+        ratio = int(self.config["temporal_compression_ratio"])
+        step = int(options.get("tile_sample_frame_stride") or TILE_SAMPLE_FRAME_STRIDE)
+
+        def run(x: Tensor) -> Tensor:
+            return self._frame(x.to(self.quant_conv.weight), options)
+
+        yield from encoding.iter_temporal_windows(run, clip, ratio, size, step)
 
     def _pass(self, x: Tensor) -> Tensor:
         return self.quant_conv(self.encoder(x))
@@ -126,13 +146,6 @@ class Encoder(VAEEncoder):
             ratio = int(self.config["spatial_compression_ratio"])
             return encoding.tiled(self._pass, x, ratio, size, stride)
         return self._pass(x)
-
-    def _windows(self, x: Tensor, options: dict[str, Any]) -> Tensor:
-        """The reference's temporal windows, blended over their overlap (in latent frames)."""
-        ratio = int(self.config["temporal_compression_ratio"])
-        size = int(options.get("tile_sample_frames") or TILE_SAMPLE_FRAMES)
-        step = int(options.get("tile_sample_frame_stride") or TILE_SAMPLE_FRAME_STRIDE)
-        return encoding.temporal_windows(partial(self._frame, options=options), x, ratio, size, step)
 
     def normalize(self, z: Tensor) -> Tensor:
         """HunyuanVideo pipelines' ``z * scaling_factor``."""
@@ -164,6 +177,7 @@ class Encoder(VAEEncoder):
         return levels
 
     def probe_input(self, generator: torch.Generator) -> Tensor:
+        """Two temporal windows (the gate checks their blend)."""
         side = self.spatial_scale * 4
-        shape = (1, 3, 1 + self.temporal_scale, side, side)
+        shape = (1, 3, TILE_SAMPLE_FRAMES + 1 + self.temporal_scale, side, side)
         return torch.rand(shape, generator=generator) * 2 - 1

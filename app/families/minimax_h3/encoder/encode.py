@@ -4,6 +4,9 @@ clips and tiles, which are part of its output (it ships with tiling on).
 A clip of more than one frame is padded with copies of its last frame to a multiple of
 ``clip_length`` (17) frames; each clip is encoded on its own; the last ``token_drop`` (3)
 latent frames of the whole are dropped. One frame is encoded alone (no padding, no drop).
+Frames: any count, as the reference. ``iter_moments`` yields each clip's latent frames as it
+is encoded, each clip read only then; the drop cuts the last (the count is known: nothing is
+held back); ``moments`` is their concatenation.
 Each clip is cut into ``tile_sample_size`` (256) pixel tiles whose overlaps (at least
 ``tile_sample_overlap``, 64) grow in whole latent cells until the tiles cover the frame;
 the tiles' latents are cross-faded over the overlaps.
@@ -16,13 +19,15 @@ Options of ``moments`` / ``encode`` (unknown ones are ignored):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from app.families import encoding
-from app.families.encoder import VAEEncoder
+from app.families.encoder import Clip, VAEEncoder
 from app.families.encoder_memory import Level, peak_values
 from app.families.minimax_h3.decoder.schedule import split_tiles, stitch_tiles
 from app.families.minimax_h3.encoder.model import EncoderNet, EncoderSpec
@@ -110,19 +115,30 @@ class Encoder(VAEEncoder):
     # --- encoding ------------------------------------------------------------------------
     @torch.no_grad()
     def moments(self, x: Tensor, **options: Any) -> Tensor:
-        x, image = encoding.as_clip(
-            x, self.quant_conv.weight, self.spec.in_channels, self.spatial_scale
-        )
-        if x.shape[2] == 1:
-            m = self._clip(x, options)
-            return m[:, :, 0] if image else m
-        length, drop = int(self.config["clip_length"]), int(self.config["token_drop"])
-        pad = (-x.shape[2]) % length
-        if pad:
-            x = torch.cat([x, x[:, :, -1:].expand(-1, -1, pad, -1, -1)], 2)
-        clips = [self._clip(x[:, :, i : i + length], options) for i in range(0, x.shape[2], length)]
-        m = torch.cat(clips, 2)
-        return m[:, :, : m.shape[2] - drop] if drop else m
+        return encoding.whole(partial(self._chunks, options=options), x, self._check)
+
+    @torch.no_grad()
+    def iter_moments(self, x: Tensor | Clip, **options: Any) -> Iterator[Tensor]:
+        """Each ``clip_length`` clip's latent frames, each clip read from the input only
+        then (the last padded); the dropped frames are never yielded."""
+        yield from encoding.chunked(partial(self._chunks, options=options), x, self._check)
+
+    def _check(self, shape: tuple[int, ...]) -> None:
+        encoding.check_shape(shape, self.spec.in_channels, self.spatial_scale, self.frames_problem)
+
+    def _chunks(self, clip: Clip, options: dict[str, Any]) -> Iterator[Tensor]:
+        frames, like = clip.shape[2], self.quant_conv.weight
+        length = 1 if frames == 1 else int(self.config["clip_length"])  # one frame: alone
+        left = self.latent_frames(frames)  # the count is known: the drop cuts the last clips
+        for start in range(0, frames, length):
+            if left <= 0:
+                break
+            x = encoding.take(clip, start, start + length, like)
+            if x.shape[2] < length:  # the last clip, padded with copies of its last frame
+                x = torch.cat([x, x[:, :, -1:].expand(-1, -1, length - x.shape[2], -1, -1)], 2)
+            m = self._clip(x, options)[:, :, :left]
+            left -= m.shape[2]
+            yield m
 
     def _pass(self, x: Tensor) -> Tensor:
         return self.quant_conv(self.encoder(x))
@@ -164,7 +180,7 @@ class Encoder(VAEEncoder):
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
         """One pass's widest level (``memory``) over one clip (``clip_length`` frames, or the
-        one frame of an image) of one tile, the padded clip (a copy of the input) and the
+        one frame of an image) of one tile, the padded last clip (a copy of its frames) and the
         moments (the tiles', the clips' and their concatenation)."""
         b, frames = input_shape[0], input_shape[2] if len(input_shape) == 5 else 1
         height, width = input_shape[-2:]
@@ -173,7 +189,7 @@ class Encoder(VAEEncoder):
         side = TILE_SAMPLE_SIZE  # tiles are exactly this wide, or the whole frame
         tile = b * min(height, side) * min(width, side)
         values = peak_values(self._levels(clip, tile), MAPS_PER_FRAME)
-        padded = 0 if frames == 1 or frames % length == 0 else -(-frames // length) * length
+        padded = length if frames > 1 and frames % length else 0
         pixels = b * height * width
         cells = self.latent_frames(frames) * pixels // self.spatial_scale**2
         latent = 2 * self.spec.latent_channels * cells
@@ -188,6 +204,8 @@ class Encoder(VAEEncoder):
         return levels
 
     def probe_input(self, generator: torch.Generator) -> Tensor:
+        """Two clips, the second padded and cut by the drop."""
         side = self.spatial_scale * 2
-        shape = (1, 3, int(self.config["clip_length"]), side, side)
+        length = int(self.config["clip_length"])
+        shape = (1, 3, length + length // 2, side, side)
         return torch.rand(shape, generator=generator) * 2 - 1

@@ -7,20 +7,24 @@ Options of ``moments`` / ``encode`` (unknown ones are ignored):
   tiled (bool): diffusers' spatial tiles (``enable_tiling``), ``tile_sample_size`` /
       ``tile_sample_stride`` pixels (default 256 / 192, of the patchified frame in Wan 2.2,
       as the reference measures them); only where the frame is larger than one tile.
-Frames: the reference encodes ``1 + 4k`` frames (the rest are dropped) into
+``iter_moments`` yields the stream's chunks in turn, each read from the clip only then (with
+spatial tiles: one chunk, the whole clip); ``moments`` is their concatenation.
+Frames: any count; the reference encodes the first ``1 + 4k`` (the rest are dropped) into
 ``1 + 4k / temporal_scale`` latent frames.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from app.families import encoding
-from app.families.encoder import VAEEncoder
+from app.families.encoder import Clip, VAEEncoder
 from app.families.encoder_memory import Level, peak_values
 from app.families.wan.decoder.model import ZeroPadCausalConv3d
 from app.families.wan.encoder.model import (
@@ -109,35 +113,51 @@ class Encoder(VAEEncoder):
     # --- encoding ------------------------------------------------------------------------
     @torch.no_grad()
     def moments(self, x: Tensor, **options: Any) -> Tensor:
-        x, image = encoding.as_clip(
-            x, self.quant_conv.weight, self.spec.in_channels // self.patch**2, self.spatial_scale
-        )
-        x = x[:, :, : 1 + (x.shape[2] - 1) // CHUNK * CHUNK]  # the frames the reference reads
-        if self.patch > 1:
-            x = patchify(x, self.patch)
+        return encoding.whole(partial(self._chunks, options=options), x, self._check)
+
+    @torch.no_grad()
+    def iter_moments(self, x: Tensor | Clip, **options: Any) -> Iterator[Tensor]:
+        """The stream's chunks (``1 + chunk_frames`` frames, then ``chunk_frames``), each
+        read from the clip as it is encoded; one chunk with spatial tiles."""
+        yield from encoding.chunked(partial(self._chunks, options=options), x, self._check)
+
+    def _check(self, shape: tuple[int, ...]) -> None:
+        channels = self.spec.in_channels // self.patch**2
+        encoding.check_shape(shape, channels, self.spatial_scale, self.frames_problem)
+
+    def _chunks(self, clip: Clip, options: dict[str, Any]) -> Iterator[Tensor]:
         chunk = int(options.get("chunk_frames", DEFAULT_CHUNK_FRAMES) or 0)
         if chunk % CHUNK:
             raise ValueError(f"chunk_frames {chunk}: a multiple of {CHUNK}")
+        frames = 1 + (clip.shape[2] - 1) // CHUNK * CHUNK  # the frames the reference reads
         size = int(options.get("tile_sample_size") or TILE_SAMPLE_SIZE)
+        if not options.get("tiled") or max(clip.shape[-2:]) // self.patch <= size:
+            yield from self._stream(lambda a, b: self._read(clip, a, b), frames, chunk)
+            return
         stride = int(options.get("tile_sample_stride") or TILE_SAMPLE_STRIDE)
-        if options.get("tiled") and max(x.shape[-2:]) > size:
-            ratio = int(self.config["spatial_compression_ratio"]) // self.patch
-            m = encoding.tiled(lambda tile: self._stream(tile, chunk), x, ratio, size, stride)
-        else:
-            m = self._stream(x, chunk)
-        return m[:, :, 0] if image else m
+        ratio = int(self.config["spatial_compression_ratio"]) // self.patch
+        x = self._read(clip, 0, frames)  # tiles cut the whole clip: one chunk
 
-    def _stream(self, x: Tensor, chunk: int) -> Tensor:
-        """The clip through the encoder in frame chunks (``1 + chunk``, then ``chunk``)."""
+        def run(tile: Tensor) -> Tensor:
+            return encoding.joined(self._stream(lambda a, b: tile[:, :, a:b], frames, chunk))
+
+        yield encoding.tiled(run, x, ratio, size, stride)
+
+    def _read(self, clip: Clip, start: int, stop: int) -> Tensor:
+        """Frames ``[start, stop)`` as the encoder takes them (Wan 2.2: patchified)."""
+        x = encoding.take(clip, start, stop, self.quant_conv.weight)
+        return patchify(x, self.patch) if self.patch > 1 else x
+
+    def _stream(
+        self, read: Callable[[int, int], Tensor], frames: int, chunk: int
+    ) -> Iterator[Tensor]:
+        """``frames`` frames through the encoder in frame chunks (``1 + chunk``, then
+        ``chunk``; 0: all at once), each ``read`` when its turn comes."""
         s = EncoderStream()
-        step = chunk or x.shape[2]
-        starts = [0, *range(1 + step, x.shape[2], step)] if chunk else [0]
-        ends = [*starts[1:], x.shape[2]]
-        outs = []
-        for a, b in zip(starts, ends, strict=True):
-            s.final = b == x.shape[2]
-            outs.append(self.quant_conv(self.encoder(x[:, :, a:b], s)))
-        return torch.cat(outs, 2) if len(outs) > 1 else outs[0]
+        starts = [0, *range(1 + chunk, frames, chunk)] if chunk else [0]
+        for a, b in zip(starts, [*starts[1:], frames], strict=True):
+            s.final = b == frames
+            yield self.quant_conv(self.encoder(read(a, b), s))
 
     def normalize(self, z: Tensor) -> Tensor:
         """Wan / Qwen-Image pipelines' ``(z - latents_mean) / latents_std``."""
@@ -150,7 +170,7 @@ class Encoder(VAEEncoder):
 
     def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
         """The first (largest) chunk's widest level (``memory``), every causal conv's carried
-        frames when more chunks follow, Wan 2.2's patchified clip and the moments (each
+        frames when more chunks follow, Wan 2.2's patchified chunk and the moments (each
         chunk's and their concatenation). Attention holds O(H*W) (``attend``)."""
         b, frames = input_shape[0], input_shape[2] if len(input_shape) == 5 else 1
         frames = 1 + (frames - 1) // CHUNK * CHUNK  # the frames the reference reads
@@ -161,7 +181,7 @@ class Encoder(VAEEncoder):
         if frames > chunk:
             values += int(b * pixels * self.carry_values_per_pixel())
         if self.patch > 1:
-            values += b * self.spec.in_channels * frames * pixels
+            values += b * self.spec.in_channels * chunk * pixels
         cells = self.latent_frames(frames) * pixels // 4 ** (len(self.spec.dim_mult) - 1)
         return (values + 2 * b * 2 * self.spec.z_dim * cells) * element_size
 
@@ -189,6 +209,7 @@ class Encoder(VAEEncoder):
         return total
 
     def probe_input(self, generator: torch.Generator) -> Tensor:
+        """Two chunks of the default stream (the gate checks the carries between them)."""
         side = self.spatial_scale * 4
-        shape = (1, 3, 1 + CHUNK, side, side)
+        shape = (1, 3, 1 + DEFAULT_CHUNK_FRAMES + CHUNK, side, side)
         return torch.rand(shape, generator=generator) * 2 - 1

@@ -1,0 +1,315 @@
+"""Request bodies in flight share one byte budget (``VAE_BODIES_MB``): reserved before the
+read (429 + Retry-After when it cannot hold a body now, 413 when it never could), released
+once the body is parsed or its request ends; a declared body is read into one buffer, and a
+burst's memory goes back to the OS (issue 35.6)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import select
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+import pytest
+from starlette.requests import Request
+
+from app.protocol import ProtocolError
+from tests import faulty
+from tests.helpers import faulty_family
+
+__all__ = ["faulty_family"]  # module-scoped fixture
+
+MIB = 1 << 20
+SHAPE = (1, 4, 2560, 2560)  # float32: 100 MiB; a scale-1 model makes 2560x2560 of it
+BODY = 100 * MIB
+CLIENTS, ROUNDS = 16, 4
+BUDGET_MB = 800  # 8 bodies of 100 MiB
+RSS_MARGIN = 128 * MIB  # what a round may leave above the RSS before the first one
+PEAK_LINE = re.compile(r"request bodies: (\d+) bytes at the burst's peak of a (\d+)-byte budget")
+
+
+# --- a real server, 4 rounds of 16 concurrent 100 MiB bodies ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide_store(tmp_path_factory) -> Path:
+    store = tmp_path_factory.mktemp("body-budget-store")
+    faulty.bake(store, "faulty-wide", scale=1)  # 1 latent cell = 1 pixel: big bodies, legal
+    return store
+
+
+def body_with_a_huge_value() -> memoryview:
+    """100 MiB of zeros but a first value that ``scaling_factor=0.5`` takes past float32: the
+    server reads and parses the whole body, then answers 422 without decoding it."""
+    body = bytearray(BODY)
+    body[:4] = struct.pack("<f", 3e38)
+    return memoryview(body)
+
+
+Answer = tuple[int, dict, float, str]
+
+
+def upload(url: str, body: memoryview, seconds: float = 120) -> Answer:
+    """POST ``body`` on a raw socket, reading while sending (a refused upload stops at its
+    answer): (status, JSON body, seconds to the answer, the head, lowercased); status 0 when
+    none came."""
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    target = f"/decode/faulty-wide?shape={list(SHAPE)}&output_type=pt&scaling_factor=0.5"
+    head = (
+        f"POST {target.replace(' ', '')} HTTP/1.1\r\nHost: x\r\nContent-Type: tensor/binary\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    t0 = time.perf_counter()
+    with socket.create_connection((host, port), timeout=seconds) as sock:
+        sock.sendall(head)
+        sock.setblocking(False)
+        sent, received, deadline = 0, b"", time.monotonic() + seconds
+        while time.monotonic() < deadline and not _complete(received):
+            writers = [sock] if sent < len(body) else []
+            readable, writable, _ = select.select([sock], writers, [], 0.5)
+            if writable:
+                try:
+                    sent += sock.send(body[sent : sent + MIB])
+                except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+                    pass
+            if readable:
+                try:
+                    chunk = sock.recv(1 << 16)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                received += chunk
+    elapsed = time.perf_counter() - t0
+    if not received.startswith(b"HTTP/1.1 "):
+        return 0, {}, elapsed, ""
+    head, _, rest = received.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(rest or b"{}"), elapsed, head.decode().lower()
+
+
+def _complete(received: bytes) -> bool:
+    head, sep, rest = received.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    length = re.search(rb"content-length: (\d+)", head, re.I)
+    return length is not None and len(rest) >= int(length.group(1))
+
+
+class RssPeak:
+    """The highest RSS of a process while the block runs (sampled every 10 ms)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, faulty.rss_bytes(self.pid))
+            time.sleep(0.01)
+
+    def __enter__(self) -> RssPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def one_round(url: str, body: memoryview) -> list[Answer]:
+    answers: list[Answer] = []
+    threads = [threading.Thread(target=lambda: answers.append(upload(url, body)))
+               for _ in range(CLIENTS)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return answers
+
+
+def test_concurrent_large_bodies_stay_in_the_budget_and_memory_returns(wide_store, tmp_path):
+    env = {
+        "VAE_MODELS": "faulty-wide",
+        "VAE_BATCH_ROWS": "1",
+        "VAE_MAX_BODY_MB": "128",
+        "VAE_MAX_PIXELS": str(SHAPE[-1] * SHAPE[-2]),
+        "VAE_BODIES_MB": str(BUDGET_MB),
+        "VAE_BODY_TIMEOUT_S": "120",
+    }
+    body = body_with_a_huge_value()
+    log = tmp_path / "serve.log"
+    rounds = []
+    with faulty.serve_process(wide_store, log, faulty_family=True, **env) as (url, proc):
+        small = memoryview(bytearray(MIB))  # a refused shape: warms the request path only
+        upload(url, small)
+        time.sleep(0.5)
+        start = faulty.rss_bytes(proc.pid)
+        for _ in range(ROUNDS):
+            before = faulty.rss_bytes(proc.pid)
+            with RssPeak(proc.pid) as peak:
+                t0 = time.perf_counter()
+                answers = one_round(url, body)
+                wall = time.perf_counter() - t0
+                time.sleep(1.0)  # the last release and its trim
+            rounds.append((before, peak.peak, faulty.rss_bytes(proc.pid), wall, answers))
+    text = log.read_text()
+    print(f"\nRSS before the first round {start / MIB:.0f} MiB")
+    for i, (before, top, after, wall, answers) in enumerate(rounds, 1):
+        codes = sorted(code for code, *_ in answers)
+        slowest = max(seconds for _, _, seconds, _ in answers)
+        print(f"round {i}: RSS {before / MIB:.0f} -> peak {top / MIB:.0f} -> {after / MIB:.0f}"
+              f" MiB in {wall:.1f} s (slowest answer {slowest:.1f} s); codes {codes}")  # fmt: skip
+    for *_, after, _wall, answers in rounds:
+        codes = [code for code, *_ in answers]
+        assert len(codes) == CLIENTS and set(codes) <= {422, 429}, (codes, text[-3000:])
+        assert all("float32" in body["error"] for code, body, *_ in answers if code == 422)
+        refused = [(seconds, head) for code, _, seconds, head in answers if code == 429]
+        assert all("retry-after: 1" in head and "connection: close" in head for _, head in refused)
+        assert all(seconds < 5 for seconds, _ in refused), refused  # at once, not after the body
+        assert after < start + RSS_MARGIN, (start, after)
+    assert 429 in {code for *_, answers in rounds for code, *_ in answers}  # the budget held
+    peaks = [(int(held), int(limit)) for held, limit in PEAK_LINE.findall(text)]
+    assert peaks and all(held <= limit == BUDGET_MB * MIB for held, limit in peaks), peaks
+
+
+# --- the budget and the read, in process ----------------------------------------------------
+
+
+def fake_request(app: SimpleNamespace, length: int | None, chunks: asyncio.Queue) -> Request:
+    """A request whose body comes from ``chunks`` (None ends it) and whose app holds the
+    budget and the drain, as create_app's does."""
+    headers = [] if length is None else [(b"content-length", str(length).encode())]
+    if length is None:
+        headers.append((b"transfer-encoding", b"chunked"))
+
+    async def receive() -> dict:
+        chunk = await chunks.get()
+        return {"type": "http.request", "body": chunk or b"", "more_body": chunk is not None}
+
+    scope = {"type": "http", "method": "POST", "headers": headers, "app": app, "state": {}}
+    return Request(scope, receive)
+
+
+def service(budget: int):
+    from app.http.drain import Drain
+    from app.http.handling import BodyBudget
+
+    return SimpleNamespace(state=SimpleNamespace(bodies=BodyBudget(budget), drain=Drain(8.0)))
+
+
+async def read(app, length: int | None, parts: list[bytes | None], limit: int = 1 << 30):
+    from app.http.handling import read_body
+
+    chunks: asyncio.Queue = asyncio.Queue()
+    for part in parts:
+        chunks.put_nowait(part)
+    request = fake_request(app, length, chunks)
+    return request, await read_body(request, limit, timeout_s=5)
+
+
+def test_a_declared_body_is_read_into_one_buffer_and_holds_the_budget_until_released():
+    from app.http.handling import release_body
+
+    async def main() -> None:
+        app = service(1000)
+        request, body = await read(app, 600, [b"a" * 100, b"b" * 500, None])
+        assert isinstance(body, bytearray) and body == b"a" * 100 + b"b" * 500
+        assert app.state.bodies.held == 600
+        release_body(request)
+        release_body(request)  # once only
+        assert app.state.bodies.held == 0
+
+    asyncio.run(main())
+
+
+def test_the_budget_refuses_429_now_and_413_outright_before_the_read():
+    from app.http.handling import BodyLease
+
+    async def main() -> None:
+        app = service(1000)
+        other = BodyLease(app.state.bodies)
+        other.cover(700)  # another request's body in flight
+        with pytest.raises(ProtocolError) as now:
+            await read(app, 400, [b"x" * 400, None])
+        assert now.value.status == 429 and "do not fit now" in now.value.error
+        with pytest.raises(ProtocolError) as never:
+            await read(app, 1001, [b"x" * 1001, None])
+        assert never.value.status == 413 and "VAE_BODIES_MB" in never.value.error
+        assert app.state.bodies.held == 700  # the refusals took nothing
+        other.release()
+        _, body = await read(app, 400, [b"x" * 400, None])
+        assert len(body) == 400 and app.state.bodies.held == 400
+
+    asyncio.run(main())
+
+
+def test_a_chunked_body_takes_the_budget_as_it_grows():
+    from app.http.handling import BodyLease
+
+    async def main() -> None:
+        app = service(1000)
+        request, body = await read(app, None, [b"x" * 300, b"y" * 300, None])
+        assert body == b"x" * 300 + b"y" * 300 and app.state.bodies.held == 600
+        BodyLease(app.state.bodies).cover(300)  # 900 held now
+        with pytest.raises(ProtocolError) as refused:
+            await read(app, None, [b"z" * 60, b"z" * 60, None])
+        assert refused.value.status == 429
+        assert app.state.bodies.held == 960  # the refused one still holds its first 60 ...
+        request.state.body_lease.release()  # ... until its request ends (``handled``)
+        assert app.state.bodies.held == 360
+
+    asyncio.run(main())
+
+
+def test_a_budget_never_holds_more_than_its_limit_under_contention():
+    from app.http.handling import BodyBudget, BodyLease
+
+    budget, seen = BodyBudget(10_000), []
+
+    def client(seed: int) -> None:
+        for i in range(2000):
+            lease = BodyLease(budget)
+            try:
+                lease.cover(1 + (seed * 7919 + i * 104729) % 3000)
+            except ProtocolError:
+                continue
+            seen.append(budget.held)
+            lease.release()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen and max(seen) <= 10_000 and budget.held == 0
+
+
+def test_a_body_still_arriving_when_the_drain_begins_is_refused_503_at_once():
+    """Issue 35.8: the read does not wait for the rest of the body (or its timeout)."""
+
+    async def main() -> None:
+        app = service(1 << 20)
+        chunks: asyncio.Queue = asyncio.Queue()
+        chunks.put_nowait(b"x" * 100)  # then nothing more arrives
+        from app.http.handling import read_body
+
+        request = fake_request(app, 1000, chunks)
+        reading = asyncio.ensure_future(read_body(request, 1 << 20, timeout_s=60))
+        await asyncio.sleep(0.05)
+        t0 = time.perf_counter()
+        app.state.drain.draining = True
+        app.state.drain.began.set()
+        with pytest.raises(ProtocolError) as refused:
+            await reading
+        assert refused.value.status == 503 and "shutting down" in refused.value.error
+        assert time.perf_counter() - t0 < 0.5
+        assert request.state.body_unread  # answered with Connection: close
+
+    asyncio.run(main())
