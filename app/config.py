@@ -1,14 +1,24 @@
-"""Service configuration from the environment (``VAE_*``, plus ``PORT``)."""
+"""Service configuration from the environment: every ``VAE_*`` variable is a field here
+(README's configuration tables list them all, tests/test_settings_docs.py checks both ways).
+Code that runs before or without a whole ``Settings`` (logging, the command line, the CPU's
+bf16 order) reads one field with ``setting``, still as declared here."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, TypeAdapter, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.protocol import Limits
+if TYPE_CHECKING:  # imported where used: the command line reads settings without torch
+    from app.protocol import Limits
+
+# Cloud Run's front end refuses an HTTP/1 request over 32 MiB with a page of its own: a body
+# limit of 31 MiB leaves the request line and headers room, so every body the service admits
+# passes the front end (deploy/README.md, "Request size and HTTP/2").
+CLOUD_RUN_REQUEST_MB = 32
 
 
 class Settings(BaseSettings):
@@ -47,6 +57,19 @@ class Settings(BaseSettings):
         None, description="torch.compile's caches (Inductor, FX graphs, cache artifacts)"
     )
     # admission and limits
+    concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="requests one instance is sent at once (Cloud Run's containerConcurrency): "
+        "VAE_QUEUE_DEPTH, VAE_STREAMS_MAX and VAE_BODIES_MB derive from it unless set, and one "
+        "set below what it needs is refused; unset: no declared concurrency",
+    )
+    platform: Literal["none", "cloud-run"] = Field(
+        "none",
+        description="the front end before the service: cloud-run refuses HTTP/1 requests over "
+        "32 MiB, so VAE_MAX_BODY_MB derives to 31 unless set (32 or more is refused) and the "
+        "body's 413 names Cloud Run's limit",
+    )
     queue_depth: int = Field(32, ge=1)
     max_batch: int = Field(8, ge=1, description="latent rows per request, else 413")
     batch_rows: int = Field(8, ge=1, description="latent rows per micro-batch the worker runs")
@@ -109,8 +132,72 @@ class Settings(BaseSettings):
         "CIDRs, '*' for any); others' is ignored",
     )
     threads: int = 0  # torch intra-op threads; 0 = torch's default
+    # logs, tools and tests
+    log_format: Literal["auto", "json", "text"] = Field(
+        "auto", description="json: one Cloud Logging line per record; auto: json on Cloud Run"
+    )
+    gcp_project: str = Field(
+        "", description="project of the request lines' trace links (GOOGLE_CLOUD_PROJECT wins)"
+    )
+    h264_encoder: str = Field(
+        "", description="the MP4 writer's H.264 encoder (libx264, h264_nvenc); empty: detected"
+    )
+    debug: bool = Field(False, description="the command line shows tracebacks, not one line")
+    cpu_fast_bf16: bool | None = Field(
+        None, description="order auto's candidates as on a CPU with (or without) native bf16"
+    )
+
+    @model_validator(mode="after")
+    def _limits_agree(self) -> Settings:
+        """The limits that follow from the platform and the declared concurrency: each one
+        not set explicitly is derived; one set explicitly below what they need is refused,
+        naming both values (``python -m app serve`` prints that one line and exits)."""
+        explicit = self.model_fields_set
+        conflicts: list[str] = []
+        if self.platform == "cloud-run":
+            most = CLOUD_RUN_REQUEST_MB - 1
+            if "max_body_mb" not in explicit:
+                self._derive("max_body_mb", most)
+            elif self.max_body_mb > most:
+                conflicts.append(
+                    f"VAE_MAX_BODY_MB={self.max_body_mb} > {most} with VAE_PLATFORM=cloud-run: "
+                    f"Cloud Run refuses HTTP/1 requests over {CLOUD_RUN_REQUEST_MB} MiB with its "
+                    f"own page; at most {most} leaves a body of the limit room for its headers"
+                )
+        n = self.concurrency
+        if n is not None:
+            needs = {
+                # every request admitted may wait in the queue (the batch running has left it)
+                "queue_depth": (n, f"VAE_CONCURRENCY={n}", f"{n} requests may all be queued"),
+                # every request admitted may be an MP4 stream
+                "streams_max": (n, f"VAE_CONCURRENCY={n}", f"{n} requests may all be MP4s"),
+                # every request admitted may be uploading a body of the largest size at once
+                "bodies_mb": (
+                    n * self.max_body_mb,
+                    f"VAE_CONCURRENCY={n} x VAE_MAX_BODY_MB={self.max_body_mb}",
+                    f"{n} bodies of the largest size may arrive at once",
+                ),
+            }
+            for name, (need, why, what) in needs.items():
+                value = getattr(self, name)
+                if name not in explicit:
+                    self._derive(name, need)
+                elif value < need:
+                    env = f"VAE_{name.upper()}"
+                    conflicts.append(f"{env}={value} < {why}: {what}; set {env} >= {need} or "
+                                     f"leave it unset (derived)")  # fmt: skip
+        if conflicts:
+            raise ValueError("; ".join(conflicts))
+        return self
+
+    def _derive(self, name: str, value: int) -> None:
+        """Set a derived limit without marking it as set (``model_fields_set`` stays what the
+        environment and the arguments gave)."""
+        self.__dict__[name] = value
 
     def limits(self) -> Limits:
+        from app.protocol import Limits
+
         return Limits(
             max_body_bytes=self.max_body_mb << 20,
             max_pixels=self.max_pixels,
@@ -129,3 +216,18 @@ class Settings(BaseSettings):
 
     def tokens(self) -> list[str]:
         return [t.strip() for t in self.api_tokens.get_secret_value().split(",") if t.strip()]
+
+
+def setting(name: str) -> Any:
+    """One field read alone from its variable (``VAE_<NAME>``), typed and defaulted as the
+    field declares, without validating the others."""
+    field = Settings.model_fields[name]
+    raw = os.environ.get(f"VAE_{name.upper()}", "").strip()
+    if not raw:
+        return field.get_default(call_default_factory=True)
+    return TypeAdapter(field.annotation).validate_python(raw)
+
+
+def given(name: str) -> bool:
+    """Whether the environment sets field ``name`` (its variable is not empty)."""
+    return bool(os.environ.get(f"VAE_{name.upper()}", "").strip())

@@ -59,8 +59,6 @@ from app.runtime.runner import Runner  # noqa: E402
 from app.telemetry.metrics import Metrics  # noqa: E402
 from app.telemetry.timing import PhaseTimer  # noqa: E402
 from bench import common  # noqa: E402
-from bench import flux as flux_bench  # noqa: E402
-from scripts import video_proof  # noqa: E402
 
 # the quick run's image model: the same tiny FLUX as tests/live.py's "flux-tiny" (scripts
 # import nothing from tests/)
@@ -130,6 +128,21 @@ def free_port() -> int:
 
 
 L4_MEMORY_GB = 22.0  # what an L4's 24 GB leaves a process after the CUDA context
+
+
+def _flux_bench():
+    """bench/flux.py (diffusers, the FLUX peer): imported by the sections that use it only,
+    so a gate-only run does not pay its import."""
+    from bench import flux
+
+    return flux
+
+
+def _video_proof():
+    """scripts/video_proof.py: imported by the video section only (diffusers, dynamo)."""
+    from scripts import video_proof
+
+    return video_proof
 
 
 class Proof:
@@ -226,7 +239,7 @@ class Proof:
 
     # --- FLUX speed -----------------------------------------------------------------------
     def flux(self) -> None:
-        ours, peer = flux_bench.build()
+        ours, peer = _flux_bench().build()
         cases = (
             [(256, 1)]
             if self.quick and self.device.type == "cpu"
@@ -411,7 +424,7 @@ class Proof:
         from app.runtime.parts import ServedPart
         from app.store import Manifest
 
-        ours, _ = flux_bench.build()
+        ours, _ = _flux_bench().build()
         fast = modes.build(ours, self.device, modes.Mode(torch.bfloat16))
         manifest = Manifest("flux1-synthetic", "flux", ours.config, "float32", "proof", "")
         served = ServedPart(
@@ -446,7 +459,7 @@ class Proof:
         if self.device.type != "cuda":
             self.note("graphs: needs a CUDA device")
             return
-        ours, _ = flux_bench.build()
+        ours, _ = _flux_bench().build()
         fast = modes.build(ours, self.device, modes.Mode(torch.bfloat16))
         for size in (512, 1024):
             static = torch.randn(1, 16, size // 8, size // 8, device=self.device)
@@ -475,7 +488,7 @@ class Proof:
         if self.device.type != "cuda":
             self.note("compile: evaluated on a CUDA device only")
             return
-        ours, _ = flux_bench.build()
+        ours, _ = _flux_bench().build()
         fast = modes.build(ours, self.device, modes.Mode(torch.bfloat16))
         compiled = torch.compile(lambda z: fast.decode(z, tiled=False))
         for size in (512, 1024):
@@ -504,7 +517,7 @@ class Proof:
         if self.device.type != "cuda":
             self.note("profile: needs a CUDA device")
             return
-        ours, _ = flux_bench.build()
+        ours, _ = _flux_bench().build()
         size = 1024
         z = torch.randn(1, 16, size // 8, size // 8, device=self.device)
         flops = common.meta_flops(ours, tuple(z.shape))
@@ -530,8 +543,8 @@ class Proof:
 
     # --- video ----------------------------------------------------------------------------
     def video(self) -> None:
-        video_proof.VideoSection(self, _kernel_profile).run()
-        self.report["video_choices"] += video_proof.flux_band_rows(self.device, self.quick)
+        _video_proof().VideoSection(self, _kernel_profile).run()
+        self.report["video_choices"] += _video_proof().flux_band_rows(self.device, self.quick)
         self.write()
         self._video_mp4()
 
@@ -549,7 +562,7 @@ class Proof:
                       str(store), "--only", name])  # fmt: skip
             else:
                 name, frames, shape = "ltx-0.9.1-synthetic", 121, (1, 128, 16, 16, 24)
-                bake(store, "ltx", name, video_proof.CONFIG_091)
+                bake(store, "ltx", name, _video_proof().CONFIG_091)
             env = {"VAE_DEVICE": self.device.type, "VAE_WARMUP_SHAPES": ""}
             pin = ["taskset", "-c", ",".join(map(str, cores))] if shutil.which("taskset") else []
             if not pin:

@@ -11,7 +11,9 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 py=${PYTHON:-python3}
 if [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ]; then py=.venv/bin/python; fi
-needs="import fastapi, uvicorn, pydantic_settings, imageio_ffmpeg, diffusers"
+# found, not imported (diffusers alone takes seconds to import)
+needs="import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
+('fastapi', 'uvicorn', 'pydantic_settings', 'imageio_ffmpeg', 'diffusers')))"
 if ! "$py" -c "$needs" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"

@@ -40,7 +40,7 @@ _PROBES = (
     'run_googleapis_com:container_completed_probe_count{monitored_resource="cloud_run_revision", '
     'service_name="SERVICE", probe_type=~"(?i)startup", is_healthy="HEALTHY"}'
 )
-NO_READY_REPLICA_CLOUD_RUN = f"""\
+NO_READY_REPLICA_CLOUD_RUN = """\
       - alert: VaeNoReadyReplica
         # Cloud Run: the metrics sidecar starts only after the service container's startup
         # probe passes (container-dependencies in deploy/cloudrun/service.yaml), so a replica
@@ -51,18 +51,18 @@ NO_READY_REPLICA_CLOUD_RUN = f"""\
         # not 200 within 30 x 2 s, and Cloud Run stops them) and none has passed it for 10
         # minutes. A service scaled to zero starts nothing: no probe, no alert.
         expr: >-
-          (sum by (revision_name) (increase({_PROBES.replace("HEALTHY", "false")}[10m])) > 0)
+          (sum by (revision_name) (increase(FAILED[10m])) > 0)
             unless on (revision_name)
-          (sum by (revision_name) (increase({_PROBES.replace("HEALTHY", "true")}[10m])) > 0)
+          (sum by (revision_name) (increase(PASSED[10m])) > 0)
         for: 5m
         labels:
           severity: critical
         annotations:
-          summary: "revision {{{{ $labels.revision_name }}}}: replicas fail their startup probe, none gets ready"
-          subject: "VAE render: revision {{{{ $labels.revision_name }}}}: {{{{ $value }}}} failed startup probes, no replica ready"
+          summary: "revision {{ $labels.revision_name }}: replicas fail their startup probe, none gets ready"
+          subject: "VAE render: revision {{ $labels.revision_name }}: {{ $value }} failed startup probes, no replica ready"
           description: >-
-            Replicas of revision {{{{ $labels.revision_name }}}} failed their startup probe on
-            /readyz ({{{{ $value }}}} in 10 minutes) and none passed it: no model was loaded and
+            Replicas of revision {{ $labels.revision_name }} failed their startup probe on
+            /readyz ({{ $value }} in 10 minutes) and none passed it: no model was loaded and
             gated within the probe's 60 s, or every model failed. Cloud Run stops each one. The
             replicas' logs (the "runtime:" line, "model ... not served") say why; GET /models of
             a replica that started says how long each phase took.
@@ -88,7 +88,9 @@ def render(text: str, job: str | None = None, service: str | None = None) -> str
         raise ValueError(f"{SELF_HOSTED_JOB} not found: alerts.yml changed, update this script")
     selector = _selector(job, service)
     if service is not None:
-        block = NO_READY_REPLICA_CLOUD_RUN.replace("SERVICE", service)
+        probes = _PROBES.replace("SERVICE", service)
+        block = NO_READY_REPLICA_CLOUD_RUN.replace("FAILED", probes.replace("HEALTHY", "false"))
+        block = block.replace("PASSED", probes.replace("HEALTHY", "true"))
         text = _replace_rule(text, "VaeNoReadyReplica", block)
     lines = []
     for line in text.splitlines(keepends=True):

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import order
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
@@ -50,3 +52,45 @@ def flux_server(flux_store):
 
     with live_server(flux_store, dtype="float32", default_model="flux-tiny") as url:
         yield url
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _count_order_consults() -> Iterator[None]:
+    """Count every read of the bf16 candidate order in this process (tests/order.py)."""
+    from app.runtime import modes
+
+    read = modes.cpu_has_fast_bf16
+
+    def counted() -> bool:
+        order.note()
+        return read()
+
+    modes.cpu_has_fast_bf16 = counted
+    yield
+    modes.cpu_has_fast_bf16 = read
+
+
+@pytest.fixture(autouse=True)
+def _order_mark_is_complete(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test whose run read the candidate order runs in both orders: its module is marked."""
+    before = order.consults
+    yield
+    if order.consults > before and not request.node.get_closest_marker(order.MARK):
+        pytest.fail(
+            f"{request.node.nodeid} read the bf16 candidate order (VAE_DTYPE=auto on a CPU), "
+            f"so its outcome may depend on it: mark its module `pytestmark = "
+            f"pytest.mark.{order.MARK}` (make test runs those in both orders)"
+        )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_faulty_records() -> None:
+    """The faulty family's records start empty for every test (they are module globals: a
+    tag another module used must not count here)."""
+    import sys
+
+    faulty = sys.modules.get("tests.faulty")
+    if faulty is not None:
+        with faulty._lock:
+            faulty.DECODED.clear()
+            faulty.BATCHES.clear()

@@ -45,6 +45,7 @@ import app.families
 from app.families.decoder import VAEDecoder
 from app.families.descriptor import Family, Part
 from app.store import write_model
+from tests import order
 from tests.live import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,11 +231,12 @@ def decoded_tags() -> list[float]:
 
 @contextmanager
 def serve_process(
-    store: Path, log: Path, faulty_family: bool = False, **env: str
+    store: Path, log: Path, faulty_family: bool = False, root: Path = ROOT, **env: str
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m app serve`` on a loopback port, one torch thread; yields (url, process)
     once /readyz answers 200. Its output goes to ``log`` (a pipe could fill and block it).
-    ``faulty_family``: the same CLI with the ``faulty`` family known (tests/faulty_serve.py)."""
+    ``faulty_family``: the same CLI with the ``faulty`` family known (tests/faulty_serve.py);
+    ``root``: the checkout whose ``app`` serves (a test's modified copy)."""
     port = free_port()
     environ = {
         **os.environ,
@@ -244,11 +246,13 @@ def serve_process(
         "VAE_LOG_FORMAT": "text",
         **env,
     }
+    if environ.get("VAE_DTYPE", "auto") == "auto":
+        order.note()  # the server reads the candidate order (tests/order.py)
     module = "tests.faulty_serve" if faulty_family else "app"
     cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [*cmd, "--models-dir", str(store)], cwd=ROOT, env=environ, stdout=out, stderr=out
+            [*cmd, "--models-dir", str(store)], cwd=root, env=environ, stdout=out, stderr=out
         )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 import requests
 import torch
-from diffusers.video_processor import VideoProcessor
 from fastapi.testclient import TestClient
 from torch import nn
 
@@ -334,6 +333,8 @@ def probe(data: bytes, tmp_path: Path) -> str:
 
 def diffusers_frames(decoded: torch.Tensor) -> np.ndarray:
     """diffusers' own uint8 frames ``[T,H,W,3]`` of one video, as its pipelines make them."""
+    from diffusers.video_processor import VideoProcessor  # the oracle: imported where used
+
     frames = VideoProcessor().postprocess_video(decoded, output_type="pil")[0]
     return np.stack([np.asarray(f) for f in frames])
 

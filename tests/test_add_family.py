@@ -53,12 +53,14 @@ def run(repo: Path, *args: str, timeout: float = 300) -> subprocess.CompletedPro
 
 def test_the_new_family_is_baked_and_served(copy, tmp_path):
     store = copy / "store"
-    baked = run(copy, "-m", "app", "bake", "--synthetic", "--only", NAME, "--models-dir", str(store))
+    baked = run(
+        copy, "-m", "app", "bake", "--synthetic", "--only", NAME, "--models-dir", str(store)
+    )
     assert baked.returncode == 0 and f"baked {NAME} ({PACKAGE}, decoder+encoder)" in baked.stdout, (
         baked.stdout + baked.stderr
     )
     env = {"PYTHONPATH": str(copy), "VAE_DTYPE": "float32"}
-    with serve_process(store, tmp_path / "serve.log", **env) as (url, _):
+    with serve_process(store, tmp_path / "serve.log", root=copy, **env) as (url, _):
         (model,) = requests.get(f"{url}/models", timeout=30).json()["models"]
         assert model["family"] == PACKAGE and model["encoder"]["family"] == PACKAGE
         z = np.random.default_rng(0).standard_normal((1, 16, 8, 8), dtype=np.float32)

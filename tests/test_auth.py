@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from app.http.docs import DOCS_CSP
 from tests import faulty
 from tests.helpers import (
     SERVE_FAULTY,
@@ -25,7 +26,9 @@ def test_bearer_tokens_guard_everything_but_health(tmp_path):
     assert c.get("/healthz").status_code == 200
     assert c.get("/readyz").status_code == 503  # not loaded, but not a 401
     assert c.get("/metrics").status_code == 200
-    for path in ("/models", "/openapi.json", "/docs"):
+    for path in ("/", "/openapi.json", "/docs"):  # static pages: every call they make needs one
+        assert c.get(path).status_code == 200, path
+    for path in ("/models", "/page/other.js"):
         r = c.get(path)
         assert r.status_code == 401 and r.headers["WWW-Authenticate"] == 'Bearer realm="vae"'
         assert r.json()["error"] == "missing bearer token" and "X-Request-Id" in r.headers
@@ -56,7 +59,8 @@ def test_responses_carry_safe_headers(tmp_path):
         assert r.headers["Cache-Control"] == "no-store"
         assert "default-src 'none'" in r.headers["Content-Security-Policy"]
         assert r.headers["content-type"].startswith("application/json")
-    assert "Content-Security-Policy" not in c.get("/docs").headers  # Swagger UI needs scripts
+    # Swagger UI's page has its own policy: its scripts and styles from the service only
+    assert c.get("/docs").headers["Content-Security-Policy"] == DOCS_CSP
 
 
 def test_user_input_never_becomes_a_log_format_string(tmp_path, caplog):

@@ -65,6 +65,7 @@ def test_commands_and_rows_come_from_the_descriptors():
     assert set(rows) == {r for f in families().values() for r in f.bench or [f.key]}
 
 
+@pytest.mark.bf16_order
 def test_a_family_without_a_bench_module_is_benched_on_its_served_path(stand_in):
     """A new family is a row of ``python -m bench all`` and of ``bench encode`` with no bench
     code: its first recipe's served copy timed on its gate probe, chosen as the service
@@ -85,6 +86,7 @@ def test_a_family_without_a_bench_module_is_benched_on_its_served_path(stand_in)
     assert f"| {stand_in} | stand-in-tiny, probe " in encode.format_table([encoded])
 
 
+@pytest.mark.bf16_order
 def test_table_rows_on_the_tiniest_shapes():
     """``python -m bench all``'s machinery on one small family: a row with every field, bf16
     reported as skipped when emulated, and the table and machine line printable."""
@@ -109,6 +111,7 @@ def test_table_rows_on_the_tiniest_shapes():
     assert "AVX2" in table.machine_line()
 
 
+@pytest.mark.bf16_order
 def test_float32_table_measures_float32_on_both_sides():
     """``--float32``: the service's candidates are its float32 modes alone and diffusers'
     bf16 settings are skipped, so the row compares float32 with float32."""

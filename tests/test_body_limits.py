@@ -46,6 +46,61 @@ def test_a_declared_oversize_body_is_refused_before_it_is_sent(server):
     assert status == 413 and "shape" in body["error"]
 
 
+def test_the_413_names_the_limit_its_setting_and_what_to_send_instead(server):
+    """Issue 36.2: a body over the limit is told the limit in bytes, the setting behind it,
+    and the way around it (a decode: a half-precision latent or fewer rows)."""
+    sock = raw_request(
+        server, "/decode/faulty?shape=[1,4,4,4]", headers={"Content-Length": "5000000"}
+    )
+    status, body = read_response(sock)
+    assert status == 413
+    assert body["error"] == (
+        "a body of 5000000 bytes exceeds the limit of 1048576 bytes (VAE_MAX_BODY_MB=1)"
+    )
+    assert "bfloat16 or float16" in body["expected"] and "fewer batch rows" in body["expected"]
+    sock = raw_request(
+        server, "/decode/faulty?shape=[1,4,4,4]", headers={"Transfer-Encoding": "chunked"}
+    )
+    for _ in range(17):
+        sock.sendall(b"%x\r\n" % 65536 + b"\0" * 65536 + b"\r\n")
+    status, body = read_response(sock)
+    assert status == 413 and "chunked body of" in body["error"]
+    assert "exceeds the limit of 1048576 bytes (VAE_MAX_BODY_MB=1)" in body["error"]
+    # a raw shape declared too large: refused before the body, with the same way around
+    target = "/decode/faulty?shape=[1,4,1024,1024]&dtype=float32"
+    status, body = read_response(raw_request(server, target, headers={"Content-Length": "0"}))
+    assert status == 413 and "VAE_MAX_BODY_MB" in body["error"], body
+    assert "float16" in body["expected"]
+
+
+def test_the_413_of_an_encode_and_on_cloud_run(tmp_path):
+    """An encode's 413 points at the compressed inputs (an image, an MP4), and under
+    ``VAE_PLATFORM=cloud-run`` the message names Cloud Run's 32 MiB request limit."""
+    from starlette.requests import Request
+
+    from app.config import Settings
+    from app.http.handling import body_too_large
+
+    def refusal(path: str, **settings) -> dict:
+        app = type("App", (), {})()
+        app.state = type("State", (), {"settings": Settings(models_dir=tmp_path, **settings)})()
+        scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
+                 "headers": [], "app": app}  # fmt: skip
+        limit = app.state.settings.max_body_mb << 20
+        return body_too_large(Request(scope), "a body of 40000000 bytes", limit).body()
+
+    body = refusal("/encode/flux", platform="cloud-run")
+    assert body["error"] == (
+        "a body of 40000000 bytes exceeds the limit of 32505856 bytes (VAE_MAX_BODY_MB=31, "
+        "below Cloud Run's 32 MiB limit on HTTP/1 requests)"
+    )
+    assert "PNG, JPEG or WebP" in body["expected"] and "MP4" in body["expected"]
+    assert "raw pixel tensor" in body["expected"]
+    body = refusal("/decode/flux")
+    assert "Cloud Run" not in body["error"] and "VAE_MAX_BODY_MB=256" in body["error"]
+    assert "bfloat16" in body["expected"]
+
+
 def test_a_body_that_trickles_in_times_out_with_408(server):
     sock = raw_request(server, "/decode/faulty?shape=[1,4,4,4]", headers={"Content-Length": "256"})
     sock.sendall(b"\0" * 10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -200,3 +201,51 @@ def test_the_local_mp4_encoder_runs_with_the_bounded_encoder_threads(tmp_path, m
     assert out.stat().st_size > 0
     (ffmpeg,) = [c for c in commands if "libx264" in c]
     assert ffmpeg[ffmpeg.index("-threads") + 1] == "3"
+
+
+def on_terminal(*args: str | Path) -> tuple[str, int]:
+    """The command with its stderr on a pseudo-terminal: (what it wrote there, exit status)."""
+    import os
+    import pty
+
+    master, slave = pty.openpty()
+    cmd = [sys.executable, "-c", WRAPPER, *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not data:
+            break
+        out += data
+    os.close(master)
+    return out.decode(errors="replace"), proc.wait(180)
+
+
+BAR = "[" + "#" * 24 + "]"  # a full bar: every frame in
+
+
+def test_a_video_shows_a_progress_bar_on_a_terminal_only(video_server, tmp_path):
+    """Through the service (the client's progress callback) and in process alike: a bar on
+    a terminal, none with --quiet, and off a terminal only a frame line a second."""
+    from app.families.minimax_h3 import decoder as minimax_h3
+
+    store = tmp_path / "store"
+    bake(store, "minimax-h3", "video-tiny", minimax_h3.SYNTHETIC["minimax-h3-tiny"])
+    np.save(tmp_path / "zv.npy", latent(1, 24, 2, 2, 2, seed=5))
+    common = [tmp_path / "zv.npy", "--model", "video-tiny"]
+    for i, where in enumerate((["--url", video_server], ["--models-dir", store])):
+        drawn, code = on_terminal(*common, "-o", tmp_path / f"bar{i}.npy", *where)
+        frames = np.load(tmp_path / f"bar{i}.npy").shape[2]
+        assert code == 0 and f"{BAR} {frames}/{frames} frames" in drawn, drawn
+        assert re.search("\r(?!\n)", drawn) and "wrote" in drawn  # redrawn in place
+        quiet, code = on_terminal(*common, "-o", tmp_path / f"quiet{i}.npy", *where, "-q")
+        said = [line for line in quiet.splitlines() if not line.startswith("torch imported")]
+        assert code == 0 and not any(said), quiet
+        piped = cli(*common, "-o", tmp_path / f"pipe{i}.npy", *where)
+        assert piped.returncode == 0, piped.stderr
+        assert "\r" not in piped.stderr and "#" not in piped.stderr  # no bar into a pipe
+        assert f"{frames}/{frames} frames" in piped.stderr  # the log's line

@@ -15,6 +15,8 @@ from app.families.ops import cosine
 from app.families.taesd.encoder import SYNTHETIC
 from app.runtime import gate, modes, selection
 
+pytestmark = pytest.mark.bf16_order  # the served encoder is chosen by measurement
+
 CPU = torch.device("cpu")
 TAESD = family("taesd").encoder
 CONFIG = next(iter(SYNTHETIC.values()))

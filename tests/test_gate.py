@@ -87,6 +87,7 @@ def test_fallback_cpu_is_reported_in_models(flux_store):
         assert model["path"] == "exact"
 
 
+@pytest.mark.bf16_order
 def test_auto_serves_a_gated_mode_measured_fastest(flux_store):
     """auto: whichever candidate mode this CPU decoded the probe fastest with, gated."""
     runtime = _runtime(flux_store, dtype="auto", select="before_ready")
@@ -154,6 +155,7 @@ def test_every_family_builds_a_bf16_copy_that_passes_every_gate_check(key, name)
     assert report.passed(0.9999) and report.cosine < 1.0, report.describe()
 
 
+@pytest.mark.bf16_order
 @pytest.mark.parametrize("native_bf16", ["1", "0"])
 def test_auto_orders_bf16_first_only_on_a_cpu_with_native_bf16(
     flux_store, monkeypatch, native_bf16
@@ -249,3 +251,33 @@ def test_vae_gate_full_on_shows_the_check_in_models(flux_store, monkeypatch):
     assert model.describe()["full_check"] == "run"
     off = _runtime(flux_store, dtype="bfloat16", gate_full="off").models["flux-tiny"]
     assert off.describe()["full_check"] == "off"
+
+
+def test_one_candidate_is_served_without_timing_or_gating(tmp_path, monkeypatch):
+    """Issue 36.7: ``VAE_DTYPE=float32`` on a CPU has one candidate, the exact path itself:
+    the start decodes nothing (no probe timed, no reference output computed), even with no
+    stored gate reference; what ``python -m app decode`` waits for is the weights' load."""
+    from app.config import Settings
+    from app.runtime import Runtime
+    from app.telemetry.metrics import Metrics
+    from tests.live import TINY_FLUX, bake
+
+    store = tmp_path / "store"
+    bake(store, "flux", "flux-tiny", TINY_FLUX["flux-tiny"])  # no gate reference stored
+    ran: list[str] = []
+    for probes in (gate.DecoderProbes, gate.EncoderProbes):
+        real_run, real_expected = probes.run_plain, probes.expected
+        monkeypatch.setattr(
+            probes, "run_plain", lambda self, fast, r=real_run: ran.append("run") or r(self, fast)
+        )
+        monkeypatch.setattr(
+            probes,
+            "expected",
+            lambda self, name, e=real_expected: ran.append(name) or e(self, name),
+        )
+    runtime = Runtime(Settings(models_dir=store, device="cpu", dtype="float32"), Metrics())
+    runtime.load_all()
+    served = runtime.models["flux-tiny"]
+    assert ran == [] and served.fast is served.reference
+    assert served.chosen_because == "the only candidate: the exact path"
+    assert [c["probe_seconds"] for c in served.candidates] == [None]

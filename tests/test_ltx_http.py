@@ -209,7 +209,9 @@ def test_pt_and_timestep(world):
         outs[t] = tensor_of(r)
         assert outs[t].shape == (2, 3, 9, 64, 96)
         check(f"pt timestep={t}", outs[t], ltx_decode(vae, z, timestep=t))
-        assert STAGES | {"parse", "queue", "encode"} <= timed_phases(r), r.headers["Server-Timing"]
+        # a streamed answer's head leaves with its first frames: the phases until then (the
+        # rest, "encode" included, are in its log line and the metrics)
+        assert STAGES | {"parse", "queue"} <= timed_phases(r), r.headers["Server-Timing"]
     assert (outs[0.05] - outs[0.7]).abs().max() > 1e-2
     default = tensor_of(post(url, "ltx-091", z, output_type="pt"))
     check("pt default timestep (0.0)", default, ltx_decode(vae, z, timestep=0.0))

@@ -98,7 +98,7 @@ def test_one_line_per_request_with_its_id_and_no_secret(store, tmp_path, fmt):
         assert len([line for line in lines if rid in line]) == 1, (rid, text[-3000:])
     # no uvicorn access line ('127.0.0.1:PORT - "GET /models HTTP/1.1" 401'), no probe or
     # scrape at INFO (the start polls /readyz many times)
-    assert not [line for line in lines if "HTTP/1.1\" " in line]
+    assert not [line for line in lines if 'HTTP/1.1" ' in line]
     for quiet in ("/readyz", "/healthz", "/metrics"):
         assert quiet not in text, f"{quiet} logged at INFO:\n{text[-2000:]}"
     if fmt == "json":

@@ -229,7 +229,9 @@ def manifest_env(tmp_path: Path) -> dict[str, str]:
     (container,) = [c for c in service["spec"]["template"]["spec"]["containers"]
                     if c["name"] == "vae"]  # fmt: skip
     env = {e["name"]: str(e["value"]) for e in container["env"]}
-    env |= {"VAE_DEVICE": "cpu", "VAE_COMPILE_CACHE_DIR": str(tmp_path / "compile-cache"),
+    # float32 on the CPU: the exact path, no modes measured (shutdown does not depend on them)
+    env |= {"VAE_DEVICE": "cpu", "VAE_DTYPE": "float32",
+            "VAE_COMPILE_CACHE_DIR": str(tmp_path / "compile-cache"),
             "GOOGLE_CLOUD_PROJECT": "test-project", "VAE_THREADS": "1",
             "VAE_MODELS": "faulty,faulty-video",
             "VAE_BATCH_ROWS": "1"}  # fmt: skip  # one request a decode: the queue is a queue
@@ -399,22 +401,20 @@ def check_answers(result: dict) -> None:
         assert [a[0] for a in result["answers"]] == [503], result["answers"]
 
 
-def test_sigterm_exits_by_the_deadline_in_every_state_quiet_and_loaded(manifest_store, tmp_path):
+def test_sigterm_exits_by_the_deadline_in_every_state_under_load(manifest_store, tmp_path):
     """Issue 36.3 (and 35.8 for the upload and the half-sent headers): with the manifest's
-    VAE_DRAIN_GRACE_S=8, SIGTERM in each state, on a quiet machine and on one with a busy
-    process per core: the process exits within 9 s, and every client that had reached it
-    gets a status line."""
-    quiet = run_cases(manifest_store, tmp_path / "quiet", 300.0)
+    VAE_DRAIN_GRACE_S=8, SIGTERM in each state, on a machine with a busy process per core (a
+    quiet machine exits sooner: the same cases, measured in docs/BENCHMARKS.md): the process
+    exits within 9 s, and every client that had reached it gets a status line."""
     with cpu_burners():
         loaded = run_cases(manifest_store, tmp_path / "loaded", 400.0)
-    for label, results in (("quiet", quiet), ("loaded", loaded)):
-        print(f"\n{label}: " + "; ".join(
-            f"{r['case']} {r['exited']:.2f} s rc {r['rc']}{' (watchdog)' * r['watchdog']} "
-            f"{[a[0] for a in r['answers']]}" for r in results))  # fmt: skip
-        print(f"{label}: max {max(r['exited'] for r in results):.2f} s")
-    for result in quiet + loaded:
+    print("\nloaded: " + "; ".join(
+        f"{r['case']} {r['exited']:.2f} s rc {r['rc']}{' (watchdog)' * r['watchdog']} "
+        f"{[a[0] for a in r['answers']]}" for r in loaded))  # fmt: skip
+    print(f"loaded: max {max(r['exited'] for r in loaded):.2f} s")
+    for result in loaded:
         assert "error" not in result, result
         assert result["exited"] < EXIT_LIMIT_S, (result["case"], result["exited"], result["log"])
         assert result["rc"] in (0, -signal.SIGTERM, 128 + signal.SIGTERM), result["log"]
         check_answers(result)
-    assert len(quiet) == len(loaded) == len(CASES)
+    assert len(loaded) == len(CASES)

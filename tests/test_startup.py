@@ -190,6 +190,7 @@ def _served_mode(store, **settings) -> tuple[str, dict]:
 ALL = ["float32", "float32 exact", "bfloat16", "bfloat16 exact"]
 
 
+@pytest.mark.bf16_order
 @pytest.mark.parametrize("fast", ["bfloat16 exact", "float32"])
 def test_the_fastest_measured_mode_that_passes_is_served(sleepy, monkeypatch, fast):
     # on a loaded machine one decode of the tiny model can take seconds: a sleep well above
@@ -224,6 +225,7 @@ def test_repeats_are_taken_in_turns_and_keep_each_best():
     assert selection.ranked(candidates)[0].name == "a"
 
 
+@pytest.mark.bf16_order
 @pytest.mark.parametrize("native_bf16", ["1", "0"])
 def test_cpu_flags_only_order_the_candidates(sleepy, monkeypatch, native_bf16):
     """All four equally slow (within the tie margin): the first in the order wins, and the
@@ -237,6 +239,7 @@ def test_cpu_flags_only_order_the_candidates(sleepy, monkeypatch, native_bf16):
     assert order[0] == first and mode == first, described["candidates"]
 
 
+@pytest.mark.bf16_order
 def test_a_slower_mode_is_not_served_because_of_the_cpu_flags(sleepy, monkeypatch):
     monkeypatch.setenv("VAE_CPU_FAST_BF16", "1")  # bf16 first in the order, but measured slower
     store = sleepy(["bfloat16", "bfloat16 exact", "float32 exact"])
@@ -244,6 +247,7 @@ def test_a_slower_mode_is_not_served_because_of_the_cpu_flags(sleepy, monkeypatc
     assert mode == "float32"
 
 
+@pytest.mark.bf16_order
 def test_the_exact_path_serves_first_then_the_measured_mode(sleepy):
     """VAE_SELECT=auto on the CPU: ready on the exact path, the winner swapped in after."""
     store = sleepy(["float32", "float32 exact", "bfloat16 exact"], sleep_s=1.5)

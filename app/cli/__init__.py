@@ -6,8 +6,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-DEFAULT_STORE = os.environ.get("VAE_MODELS_DIR", "models")
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+from app.config import setting  # noqa: E402 (pydantic only, no torch)
+
+DEFAULT_STORE = str(setting("models_dir"))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,15 +110,25 @@ def _add_encode(sub: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import logging
+
+    from pydantic import ValidationError
 
     from app.config import Settings
+
+    try:
+        settings = Settings(models_dir=Path(args.models_dir))
+    except ValidationError as exc:  # one line, no traceback (and no echo of the inputs)
+        logging.getLogger("app.cli").critical("refusing to start: %s", _config_errors(exc))
+        return 2
+
+    import uvicorn
+
     from app.http import create_app
     from app.http.timeouts import header_timeout_protocol
     from app.runtime.device import log_runtime
     from app.telemetry.logs import uvicorn_kwargs
 
-    settings = Settings(models_dir=Path(args.models_dir))
     log_runtime(settings.device)
     uvicorn.run(
         create_app(settings),
@@ -128,6 +144,17 @@ def _serve(args: argparse.Namespace) -> int:
         **uvicorn_kwargs(),
     )
     return 0
+
+
+def _config_errors(exc: ValidationError) -> str:
+    """A settings error as one line: each problem, by variable, without the values given
+    (they may hold tokens)."""
+    problems = []
+    for error in exc.errors(include_url=False, include_input=False):
+        reason = error.get("ctx", {}).get("error") or error["msg"]
+        names = ", ".join(f"VAE_{str(part).upper()}" for part in error["loc"])
+        problems.append(f"{names}: {reason}" if names else str(reason))
+    return "; ".join(problems)
 
 
 def _bake(args: argparse.Namespace) -> int:

@@ -1,16 +1,18 @@
 """``python -m app decode``: one latent file -> one output file, in this process from the
 local store (app/cli/local_decode.py) or through a running service with ``--url`` (the sampler-side
 client, ``vae_client``, which never imports torch). Progress on stderr, ``--timings``'
-per-phase table on stdout, and any failure as one ``error:`` line and exit status 1."""
+per-phase table on stdout, and any failure as one ``error:`` line and exit status 1.
+A video's frames show in a progress bar on a terminal (decoded here, or as the service's
+streamed answer arrives); ``--quiet`` shows nothing."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -21,6 +23,7 @@ from app.cli.local_decode import (
     decode_file,
     output_for,
 )
+from app.config import setting
 
 SPINNER = "|/-\\"
 PARAM_NAMES = (
@@ -41,18 +44,25 @@ class CommandError(Exception):
 
 
 class Progress:
-    """An elapsed-time spinner on stderr (a TTY), plus per-chunk updates for video decodes.
+    """Progress on stderr while a decode runs: on a terminal, a line redrawn in place with a
+    spinner and the elapsed time, and, once the decode reports frames (a video, decoded here
+    or streamed from the service), a bar ``[#####.....] 48/121 frames``.
 
-    Off a TTY it prints only chunk updates, at most one a second, so logs stay short.
+    Off a terminal no bar is drawn: only the frame updates are printed, at most one line a
+    second, so logs stay short. ``enabled=False`` (``--quiet``) prints nothing.
     """
+
+    WIDTH = 24  # the bar's cells
 
     def __init__(self, label: str, enabled: bool = True, stream: IO[str] | None = None) -> None:
         self.label, self.stream = label, stream or sys.stderr
         self.enabled = enabled
-        self.tty = enabled and self.stream.isatty()
+        self.tty = enabled and _is_tty(self.stream)
         self.detail, self.start, self._last_line = "", time.monotonic(), 0.0
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the spinner's thread and update() both draw
         self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._tick = 0
 
     def __enter__(self) -> Progress:
         if self.tty:
@@ -67,20 +77,43 @@ class Progress:
             self.stream.flush()
 
     def update(self, done: int, total: int, unit: str = "frames") -> None:
-        self.detail = f"{done}/{total} {unit}"
+        """``done`` of ``total`` (frames) so far: the bar on a terminal, a line a second off
+        it. The decode's own callback, locally and through ``vae_client``'s ``progress``."""
+        if total > 0:
+            fill = min(self.WIDTH, self.WIDTH * done // total)
+            bar = f"[{'#' * fill}{'.' * (self.WIDTH - fill)}] "
+        else:
+            bar = ""
+        self.detail = f"{bar}{done}/{total} {unit}"
         now = time.monotonic()
-        if self.enabled and not self.tty and (now - self._last_line >= 1 or done >= total):
+        if self.tty:
+            self._draw()
+        elif self.enabled and (now - self._last_line >= 1 or done >= total):
             self._last_line = now
-            print(f"{self.label}: {self.detail} ({now - self.start:.1f} s)", file=self.stream)
+            print(
+                f"{self.label}: {done}/{total} {unit} ({now - self.start:.1f} s)", file=self.stream
+            )
+
+    def _draw(self) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return
+            elapsed = time.monotonic() - self.start
+            spin = SPINNER[self._tick % 4]
+            self.stream.write(f"\r{spin} {self.label} {elapsed:6.1f} s {self.detail}\033[K")
+            self.stream.flush()
 
     def _spin(self) -> None:
-        i = 0
         while not self._stop.wait(0.1):
-            elapsed = time.monotonic() - self.start
-            line = f"\r{SPINNER[i % 4]} {self.label} {elapsed:6.1f} s {self.detail}\033[K"
-            self.stream.write(line)
-            self.stream.flush()
-            i += 1
+            self._tick += 1
+            self._draw()
+
+
+def _is_tty(stream: IO[str]) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the contract is one clear line, not a traceback
-        if os.environ.get("VAE_DEBUG"):
+        if setting("debug"):
             raise
         print(f"error: {_describe(exc)}", file=sys.stderr)
         return 1
@@ -115,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with Progress(f"decoding {latent.name} with {args.model} ({where})", not args.quiet) as p:
         if args.url:
-            timings = _decode_remote(args, latent, out, params)
+            timings = _decode_remote(args, latent, out, params, p.update)
         else:
             timings = decode_file(latent, args.model, out, store, params, on_frames=p.update)
     elapsed = time.monotonic() - started
@@ -127,10 +160,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _decode_remote(
-    args: argparse.Namespace, latent: Path, out: Path, params: dict[str, Any]
+    args: argparse.Namespace,
+    latent: Path,
+    out: Path,
+    params: dict[str, Any],
+    on_frames: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
     """Through a running service: the latent file is the request body, as it is on disk; the
-    client asks for what the output file's suffix names."""
+    client asks for what the output file's suffix names, and tells ``on_frames`` the frames
+    of a video as its streamed answer arrives."""
     try:
         from vae_client import Client, DecodeError
     except ImportError:
@@ -142,7 +180,7 @@ def _decode_remote(
     )  # the CLI logs at INFO: no per-request lines
     try:
         with Client(args.url, timeout=args.timeout, deadline=args.timeout, max_retries=3) as c:
-            c.decode_to_file(latent, out, args.model, **params)
+            c.decode_to_file(latent, out, args.model, progress=on_frames, **params)
             return c.last_timings
     except DecodeError as exc:
         raise CommandError(str(exc)) from exc

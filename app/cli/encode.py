@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 from app.cli.decode import CommandError, Progress, format_timings
 from app.cli.local_decode import LocalDecodeError
 from app.cli.local_encode import OPTION_NAMES, check_input_file, check_latent_output, encode_file
+from app.config import setting
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the contract is one clear line, not a traceback
-        if os.environ.get("VAE_DEBUG"):
+        if setting("debug"):
             raise
         known = isinstance(exc, CommandError | LocalDecodeError | ValueError | OSError)
         hint = "" if known else f"{type(exc).__name__}: "

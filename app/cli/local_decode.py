@@ -158,11 +158,11 @@ def load_runtime(store: Path, name: str, timer: Any, part: str = "decoder") -> t
     """The service's runtime for this one model's ``part``: the exact float32 CPU path unless
     the environment (``VAE_DEVICE``, ``VAE_DTYPE``) asks for another, gated as the service
     gates (one candidate, the exact path, is served unmeasured)."""
-    from app.config import Settings
+    from app.config import Settings, given
     from app.runtime import Runtime
     from app.telemetry.metrics import Metrics
 
-    exact = {} if os.environ.get("VAE_DTYPE") else {"dtype": "float32"}
+    exact = {} if given("dtype") else {"dtype": "float32"}
     settings = Settings(models_dir=store, models=name, serve_encoders=part == "encoder", **exact)
     quiet = logging.getLogger("app.runtime")  # the service's startup lines are noise here
     level = quiet.level
@@ -184,6 +184,8 @@ def _counted(
     chunks: Iterator[Any], total: int, on_frames: FrameProgress | None, axis: int = 0
 ) -> Iterator[Any]:
     done = 0
+    if on_frames:
+        on_frames(0, total)  # the total is known before the first frame: the bar shows it
     for chunk in chunks:
         done += chunk.shape[axis]
         if on_frames:

@@ -45,13 +45,16 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
             # a sticky device error: drain (queued requests get 503) and exit, so the
             # platform replaces this instance
             runtime.on_device_lost = lambda reason: os.kill(os.getpid(), signal.SIGTERM)
+        loader = threading.Thread(target=runtime.load_all, name="model-loader", daemon=True)
         if load_in_background:
-            threading.Thread(target=runtime.load_all, name="model-loader", daemon=True).start()
+            loader.start()
         else:
             runtime.load_all()
         yield
         restore()
         runtime.stop(timeout=_stop_timeout(drain))
+        if loader.is_alive():  # measuring modes after ready: it stops after the part at hand
+            loader.join(_stop_timeout(drain))
 
     app = FastAPI(
         title="VAE render service",

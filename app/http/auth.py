@@ -13,9 +13,14 @@ import hmac
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.http.docs import DOCS_PATHS
+
 # probes, and the page for people (app/http/page.py: static; the calls it makes need a token)
+# the probes; the page and the API's description (static: every call they make needs the token)
 OPEN_PATHS = frozenset(
     {"/healthz", "/readyz", "/", "/page/page.js", "/page/page.css", "/page/icon.svg"}
+    | {"/openapi.json"}
+    | DOCS_PATHS
 )
 REALM = "vae"
 

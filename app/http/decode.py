@@ -1,8 +1,9 @@
 """``POST /decode``: head -> model -> validated request -> queue -> worker -> response.
 
 The event loop never decodes: the handler builds a ``DecodeRequest`` (app.protocol), submits a
-``Job`` and awaits its future, or the first frames of a streamed MP4. A preview
-(``output_type=preview``) is answered without the queue (app/http/preview.py).
+``Job`` and awaits its future, or the first frames of a streamed answer (every video answer:
+an MP4, or its frames as raw tensor bytes). A preview (``output_type=preview``) is answered
+without the queue (app/http/preview.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from app.http.errors import runtime_error
 from app.http.handling import deadline, handled, outcome, read_body, release_body
 from app.http.mp4 import mp4_response
 from app.http.preview import format_of, preview_response
-from app.http.responses import encoded, output_label
+from app.http.responses import (
+    encoded,
+    output_label,
+    streams_frames,
+    tensor_layout,
+    tensor_stream,
+    video_frames,
+)
 from app.http.serving import Serving
 from app.protocol import ProtocolError, parse_head, validate
 from app.protocol.request import Output
@@ -37,6 +45,7 @@ async def _decode(
     settings = serving.settings
     with timer.phase("parse"):
         head = parse_head(list(request.query_params.multi_items()), request.headers.items())
+        layout = tensor_layout(request.headers.get("x-tensor-layout"))  # a pt video's bytes
         model = resolve_model(name or head.params.model, serving)
         # refused before the body is read when the model's latents have no published factors
         preview_key = format_of(model) if head.params.output_type == "preview" else None
@@ -59,16 +68,20 @@ async def _decode(
         response.headers["x-model"] = model.name
         response.headers["x-output"] = output_label(decode)
         return response
-    streamed = decode.output is Output.MP4
+    mp4, frames = decode.output is Output.MP4, streams_frames(decode)
     channel = FrameChannel(settings.stream_buffer_mb << 20, settings.stream_wait_s)
-    job = Job(model, decode, timer, channel if streamed else None)
+    job = Job(model, decode, timer, channel if mp4 or frames else None)
     try:
         serving.runtime.submit(job)
     except (QueueFull, Stopped, DeviceLost) as exc:
         raise runtime_error(exc, model.name) from None
-    if streamed:
+    if mp4 or frames:
         await outcome(request, job, channel.first)  # errors before the first frame: JSON
-        return mp4_response(job, decode.fps, model.name, settings.stream_stall_s)
+        stall_s = settings.stream_stall_s
+        if frames:
+            return tensor_stream(job, decode, model.geometry, layout, model.name, stall_s)
+        count = video_frames(decode, model.geometry)
+        return mp4_response(job, decode.fps, model.name, stall_s, count)
     decoded = await outcome(request, job, job.future)
     response = await asyncio.to_thread(encoded, decoded, decode, timer)
     response.headers["x-model"] = model.name

@@ -42,6 +42,7 @@ PAGE = """\
   <meta charset="utf-8">
   <meta name="viewport" content="width=device-width, initial-scale=1">
   <title>{title} - API</title>
+  <link rel="icon" href="data:,">
   <link rel="stylesheet" href="/docs/swagger-ui.css">
 </head>
 <body>

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request, Response
 from starlette.requests import ClientDisconnect
 
-from app.config import Settings
+from app.config import CLOUD_RUN_REQUEST_MB, Settings
 from app.http.accounting import finisher, server_timing
 from app.http.drain import Drain
 from app.http.errors import (
@@ -197,7 +197,7 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytearray
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
         request.state.body_unread = True
-        raise ProtocolError(413, f"body of {declared[:32]} bytes exceeds the limit of {limit}")
+        raise body_too_large(request, f"a body of {declared[:32]} bytes", limit)
     lease = request.state.body_lease = BodyLease(request.app.state.bodies)
     size = None if declared is None else int(declared)
     reading = asyncio.ensure_future(_receive(request, lease, limit, size))
@@ -218,6 +218,25 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytearray
     if shutdown in done:
         raise ProtocolError(503, "the service is shutting down", ANOTHER_INSTANCE)
     raise ProtocolError(408, f"the body did not arrive within {timeout_s:g} s")
+
+
+def body_too_large(request: Request, body: str, limit: int) -> ProtocolError:
+    """The 413 of a body over the body limit: the limit, the setting and the platform's
+    request limit behind it, and what the client sends instead."""
+    why = f"VAE_MAX_BODY_MB={limit >> 20}"
+    if request.app.state.settings.platform == "cloud-run":
+        why += f", below Cloud Run's {CLOUD_RUN_REQUEST_MB} MiB limit on HTTP/1 requests"
+    if request.url.path.startswith("/encode"):
+        instead = ("send the image as PNG, JPEG or WebP, or the video as an MP4, instead of a "
+                   "raw pixel tensor; or fewer batch rows per request")  # fmt: skip
+    else:
+        instead = ("send the latent as bfloat16 or float16 (half of float32's bytes); or "
+                   "fewer batch rows or frames per request")  # fmt: skip
+    return ProtocolError(
+        413,
+        f"{body} exceeds the limit of {limit} bytes ({why})",
+        f"a body of at most {limit} bytes: {instead}",
+    )
 
 
 def release_body(request: Request) -> None:
@@ -262,7 +281,7 @@ async def _receive_chunked(request: Request, lease: BodyLease, limit: int) -> by
     async for chunk in request.stream():
         size = len(body) + len(chunk)
         if size > limit:
-            raise ProtocolError(413, f"body exceeds the limit of {limit} bytes")
+            raise body_too_large(request, f"a chunked body of {size} bytes so far", limit)
         lease.cover(size)
         body += chunk
     return body

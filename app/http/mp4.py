@@ -1,5 +1,7 @@
-"""The MP4 response: frames stream into ffmpeg as the worker decodes them, bytes out as
-ffmpeg writes them. The stream's resources and the stall rule live in ``app.http.streams``."""
+"""Streamed responses: ``JobStream`` sends a streamed job's body (an MP4: frames into ffmpeg
+as the worker decodes them, bytes out as ffmpeg writes them; or a video's raw tensor frames,
+``app.http.responses.tensor_stream``). The stream's resources and the stall rule live in
+``app.http.streams``."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from app.http.streams import (
+    ChannelStream,
     Mp4Stream,
     ReaderProgress,
     StreamAborted,
@@ -24,13 +27,14 @@ __all__ = ["JobStream", "StreamAborted", "mp4_response"]
 
 
 class JobStream(StreamingResponse):
-    """A streamed job's response. However it ends (done, client gone, error) the worker is
-    told to stop, its ffmpeg is reaped (``Mp4Stream.close``) and ``on_close`` gets the bytes
-    sent. A client that acknowledges nothing for ``stall_s`` is dropped, and so is a stream
-    the worker gave up: the response is then aborted (no terminating chunk), so the client
-    sees the truncation, and one warning line says why."""
+    """A streamed job's response (no Content-Length: chunked). However it ends (done, client
+    gone, error) the worker is told to stop, what its body holds is freed (an MP4's ffmpeg is
+    reaped: ``ChannelStream.close``) and ``on_close`` gets the bytes sent. A client that
+    acknowledges nothing for ``stall_s`` is dropped, and so is a stream the worker gave up:
+    the response is then aborted (no terminating chunk), so the client sees the truncation,
+    and one warning line says why."""
 
-    def __init__(self, stream: Mp4Stream, stall_s: float, **kwargs: Any) -> None:
+    def __init__(self, stream: ChannelStream, stall_s: float, **kwargs: Any) -> None:
         super().__init__(stream.body(), **kwargs)
         self.stream, self.job, self.sent, self.stall_s = stream, stream.job, 0, stall_s
         self.on_close: Callable[[int], None] | None = None
@@ -66,7 +70,7 @@ class JobStream(StreamingResponse):
         try:
             await super().__call__(scope, watched, send_or_drop)
         except StreamAborted as exc:
-            abort_warning(scope, self.job.part.name, str(exc))
+            abort_warning(scope, self.job.part.name, str(exc), self.stream.kind)
             raise
         finally:
             cut.cancel()
@@ -76,7 +80,12 @@ class JobStream(StreamingResponse):
                 self.on_close(self.sent)
 
 
-def mp4_response(job: Job, fps: float, model: str, stall_s: float) -> JobStream:
-    """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes."""
+def mp4_response(
+    job: Job, fps: float, model: str, stall_s: float, frames: int | None = None
+) -> JobStream:
+    """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes.
+    ``frames``: the video's frame count, announced in the head (``x-frames``)."""
     headers = {"x-model": model, "x-output": "mp4"}
+    if frames is not None:
+        headers["x-frames"] = str(frames)
     return JobStream(Mp4Stream(job, fps), stall_s, media_type="video/mp4", headers=headers)

@@ -26,6 +26,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from app.http.envelope import REQUEST_ID_RE
+from app.http.streams import TENSOR_LAYOUTS
 from app.media.write import WIRE_NAME
 from app.protocol.bodies import NPY_TYPE, RAW_TYPES, SAFETENSORS_TYPE
 from app.protocol.encode import IMAGE_TYPES, MP4_TYPES
@@ -50,6 +51,12 @@ IMAGE_FORMAT_NAMES = [*IMAGE_FORMATS, "jpeg"]
 # what a decode's x-output header says: the image format, else the output kind
 OUTPUT_LABELS = [*IMAGE_FORMATS, *(o.value for o in Output if o is not Output.IMAGE)]
 ENCODE_OUTPUT_LABEL = "latent"  # app/http/encode.py's OUTPUT_LABEL
+ENCODE_LABEL = {
+    "x-output": {
+        "description": "always `latent` (the encode's metrics label)",
+        "schema": {"type": "string", "enum": [ENCODE_OUTPUT_LABEL]},
+    }
+}
 
 # --- query params: every name the protocol accepts, with its schema and meaning per route ----
 # Bounds are parse_params' own (tests/test_openapi.py checks each against it); a value inside
@@ -182,16 +189,23 @@ TIMEOUT_HEADER = {
     "description": "seconds this request may wait for its run to start; wins over `timeout`, "
     "capped by the server",
 }
+LAYOUT_HEADER = {
+    "name": "X-Tensor-Layout",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string", "enum": list(TENSOR_LAYOUTS)},
+    "description": "the layout of a video's output_type=pt answer (any case): the decoder's "
+    f"own `{TENSOR_LAYOUTS[0]}` (default) or `{TENSOR_LAYOUTS[1]}`, frame by frame",
+}
 
 
-def model_path_param(route: str) -> dict[str, Any]:
-    return {
-        "name": "model",
-        "in": "path",
-        "required": True,
-        "schema": {"type": "string", "pattern": f"^{NAME_RE.pattern}$"},
-        "description": f"a store entry's name (GET /models); another name is a 404 ({route})",
-    }
+MODEL_PATH_PARAM = {
+    "name": "model",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string", "pattern": f"^{NAME_RE.pattern}$"},
+    "description": "a store entry's name (GET /models); an unknown or invalid one is a 404",
+}
 
 
 def query_params(accepted: frozenset[str], route: str) -> list[dict[str, Any]]:
@@ -252,8 +266,8 @@ ENCODE_BODY = request_body(
 EVERY_ANSWER_HEADERS = {
     "X-Request-Id": {
         "required": True,
-        "description": "the request's id: the caller's X-Request-Id when it is one of these, "
-        "else a new one; in the log line too",
+        "description": "the request's id (in its log line too): the caller's X-Request-Id "
+        "when it matches this pattern, else a new one",
         "schema": {"type": "string", "pattern": f"^{REQUEST_ID_RE.pattern}$"},
     },
     "Server-Timing": {
@@ -314,7 +328,9 @@ def error(description: str, schema: str = "Error", retry: bool = False, **header
     return answer(description, json_body(ref(schema)), extra)
 
 
-FRAMED_TWICE = "both Content-Length and Transfer-Encoding (RFC 9112 6.3): refused, connection closed"
+FRAMED_TWICE = (
+    "both Content-Length and Transfer-Encoding (RFC 9112 6.3): refused, connection closed"
+)
 SERVER_ERROR = error(
     "a bug: every unhandled exception is answered with this JSON and logged with the request id",
     "ServerError",
@@ -336,7 +352,7 @@ def run_errors(op: str, named: bool) -> dict[str, Any]:
     not_found = "no such model, or an invalid model name"
     if op == "encode":
         not_found += "; a decoder-only entry (no encoder), or VAE_SERVE_ENCODERS=false"
-    return {
+    answers = {
         "400": error(
             "a body that is not what it says (bytes that do not match `shape` and `dtype`, an "
             "invalid safetensors / .npy / image / MP4 file, an empty body)"
@@ -357,7 +373,7 @@ def run_errors(op: str, named: bool) -> dict[str, Any]:
         "422": answer(
             "a param, shape, dtype or value the model cannot take (`{error, expected}`: the "
             "protocol's refusals, naming the param); FastAPI's own validation of the path, "
-            "rewritten as `{error: \"invalid request\", detail}`, has nothing to refuse today "
+            'rewritten as `{error: "invalid request", detail}`, has nothing to refuse today '
             "(`model` is any string)",
             json_body({"anyOf": [ref("Error"), ref("InvalidRequest")]}),
         ),
@@ -374,6 +390,11 @@ def run_errors(op: str, named: bool) -> dict[str, Any]:
             retry=True,
         ),
     }
+    if op == "encode":  # handled() labels every encode answer, refusals too (not auth's 401)
+        for code, refusal in answers.items():
+            if code != "401":
+                answers[code] = {**refusal, "headers": {**refusal["headers"], **ENCODE_LABEL}}
+    return answers
 
 
 DECODE_OK = answer(
@@ -381,8 +402,9 @@ DECODE_OK = answer(
     "`image_format`, else the Accept image type, else PNG); a tensor (`tensor/binary`, raw "
     "little-endian bytes with the `shape` and `dtype` headers: output_type=pt, "
     "partial_postprocess's uint8 frames, or `[N,3,H,W]` in [0,1] for output_type=pil with "
-    "`Accept: tensor/binary` or a video model); or a fragmented H.264 MP4, streamed while the "
-    "frames decode (its headers leave with the first frame).",
+    "`Accept: tensor/binary` or a video model); or a fragmented H.264 MP4. A video's answers "
+    "(the MP4, its frames as a tensor) are streamed while the frames decode: their headers "
+    "leave with the first frame, and a refusal after that can only cut the body short.",
     {
         **{mime: {"schema": BINARY} for mime in IMAGE_MIME.values()},
         MP4_MIME: {"schema": BINARY},
@@ -399,6 +421,16 @@ DECODE_OK = answer(
             "required": True,
             "description": "what the body holds: the image format, else the output kind",
             "schema": {"type": "string", "enum": OUTPUT_LABELS},
+        },
+        "x-frames": {
+            "description": "a video's answer (streamed: an MP4, or its frames as a tensor): the "
+            "frames the whole body holds, every row's together",
+            "schema": {"type": "integer", "minimum": 1},
+        },
+        "x-tensor-layout": {
+            "description": "a video's output_type=pt answer: the layout of its bytes "
+            "(X-Tensor-Layout)",
+            "schema": {"type": "string", "enum": list(TENSOR_LAYOUTS)},
         },
     },
 )
@@ -419,11 +451,7 @@ ENCODE_OK = answer(
             "description": "the model that answered",
             "schema": {"type": "string"},
         },
-        "x-output": {
-            "required": True,
-            "description": "always `latent`",
-            "schema": {"type": "string", "enum": [ENCODE_OUTPUT_LABEL]},
-        },
+        "x-output": {**ENCODE_LABEL["x-output"], "required": True},
     },
 )
 
@@ -443,10 +471,15 @@ ENCODE_TEXT = (
 
 def run_operation(op: str, named: bool) -> dict[str, Any]:
     accepted = DECODE_PARAMS if op == "decode" else ENCODE_PARAMS
-    params = [model_path_param(f"/{op}/{{model}}")] if named else []
+    params = [MODEL_PATH_PARAM] if named else []
     return {
         "description": DECODE_TEXT if op == "decode" else ENCODE_TEXT,
-        "parameters": [*params, *query_params(accepted, op), TIMEOUT_HEADER],
+        "parameters": [
+            *params,
+            *query_params(accepted, op),
+            TIMEOUT_HEADER,
+            *([LAYOUT_HEADER] if op == "decode" else []),
+        ],
         "requestBody": copy.deepcopy(DECODE_BODY if op == "decode" else ENCODE_BODY),
         "responses": {
             "200": DECODE_OK if op == "decode" else ENCODE_OK,
@@ -475,7 +508,9 @@ OPERATIONS: dict[tuple[str, str], dict[str, Any]] = {
         "responses": {
             "200": answer(
                 "ready",
-                json_body({"allOf": [ref("Readiness"), {"properties": {"ready": {"const": True}}}]}),
+                json_body(
+                    {"allOf": [ref("Readiness"), {"properties": {"ready": {"const": True}}}]}
+                ),
             ),
             **FRAMING,
             "500": SERVER_ERROR,
@@ -674,8 +709,9 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 DESCRIPTION = """\
-Latents in, pixels out (POST /decode), and images or video in, latents out (POST /encode), in \
-diffusers' remote_decode / remote_encode wire format: docs/wire-format.md is the contract.
+`POST /decode` takes a latent and answers its pixels (an image, a tensor or an MP4); \
+`POST /encode` takes an image, pixels or an MP4 and answers its latent; both in diffusers' \
+remote_decode / remote_encode wire format, which docs/wire-format.md describes in full.
 
 **Errors** are JSON `{"error": ..., "expected": ...}` (`expected` when there is something to \
 say), for every status. 429 and 503 from the decode and encode routes carry `Retry-After`. \

@@ -1,11 +1,13 @@
-"""A streamed MP4 response's resources and its reader's progress.
+"""A streamed answer's resources and its reader's progress.
 
 ``Mp4Stream`` is the body of one MP4 response: frames from the job's channel go into ffmpeg,
-MP4 bytes come out. However the response ends (done, dropped, failed, client gone, shutdown)
-``close`` kills and reaps its ffmpeg at once and tells the channel its reader is done (which
-gives the stream's slot back). The body runs in a worker thread (Starlette iterates it in
-the threadpool) and an aborted response leaves that generator suspended, so nothing else
-would end ffmpeg until the garbage collector found the generator.
+MP4 bytes come out. ``TensorStream`` is the body of a streamed tensor answer (a video's
+``pt``, ``partial_postprocess`` or ``[N,3,H,W]`` frames): each frame's raw bytes as it is
+decoded. However the response ends (done, dropped, failed, client gone, shutdown) ``close``
+ends what the body holds at once (an MP4's ffmpeg is killed and reaped) and tells the channel
+its reader is done (which gives the stream's slot back). The body runs in a worker thread
+(Starlette iterates it in the threadpool) and an aborted response leaves that generator
+suspended, so nothing else would end ffmpeg until the garbage collector found the generator.
 
 ``ReaderProgress`` says whether the client is reading: the bytes its TCP acknowledged
 (``TCP_INFO``), polled while a send waits. A send that waits on a slow reader for a long
@@ -28,6 +30,10 @@ import time
 from collections.abc import Awaitable, Generator, Iterator
 from typing import Any
 
+import torch
+from torch import Tensor
+
+from app.media import write
 from app.media.mp4 import encode_mp4, reap
 from app.runtime.scheduler import Job
 
@@ -42,19 +48,26 @@ class StreamAborted(Exception):
     connection without ending the body, so the client sees the truncation."""
 
 
-class Mp4Stream:
-    """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes."""
+class ChannelStream:
+    """The body of one streamed answer: the job's decoded chunks, from its channel, as bytes.
 
-    def __init__(self, job: Job, fps: float, threads: int | None = None) -> None:
+    However it ends, ``close`` stops the worker (``Job.abandon``), frees what the body holds
+    (``_release``: an MP4's ffmpeg) and tells the channel its reader is done (which gives the
+    stream's slot back). ``finished``: the whole body was produced (a closed body just stops).
+    """
+
+    kind = "stream"  # the warning line's word for it
+
+    def __init__(self, job: Job) -> None:
         assert job.channel is not None
-        self.job, self.fps, self.threads = job, fps, threads
-        self._proc: subprocess.Popen | None = None
+        self.job = job
+        self.threads: int | None = None  # an encoder's threads (the MP4's ffmpeg), if any
         self._lock = threading.Lock()
         self._closed = False
         self._reason = ""  # why close() ended it early, when it did
-        self.finished = False  # ffmpeg wrote the whole MP4 (a closed body just stops)
+        self.finished = False
         self._body: Generator[bytes, None, None] | None = None
-        # "encode" is ffmpeg's share alone: the waits for decoded frames (the decoder's own
+        # "encode" is the body's own share: the waits for decoded frames (the decoder's own
         # phases) and for the client to read (suspended at yield) are taken out.
         self._elsewhere = 0.0
         job.channel.attach_reader()
@@ -65,11 +78,14 @@ class Mp4Stream:
             self._body = self._encode()
         return self._body
 
+    def _produce(self) -> Iterator[bytes]:
+        """The body's bytes, from ``self._chunks()``."""
+        raise NotImplementedError
+
     def _encode(self) -> Iterator[bytes]:
         started = time.perf_counter()
         try:
-            for data in encode_mp4(self._frames(), self.fps, threads=self.threads,
-                                   started=self._started):  # fmt: skip
+            for data in self._produce():
                 t0 = time.perf_counter()
                 yield data
                 self._elsewhere += time.perf_counter() - t0
@@ -80,7 +96,8 @@ class Mp4Stream:
             self.job.timer.add("encode", max(0.0, time.perf_counter() - started - self._elsewhere))
             self.job.abandoned.set()
 
-    def _frames(self) -> Iterator[Any]:
+    def _chunks(self) -> Iterator[Tensor]:
+        """The decoded chunks in order, the waits for them not counted as ``encode``."""
         chunks = iter(self.job.channel)
         while True:
             t0 = time.perf_counter()
@@ -90,6 +107,44 @@ class Mp4Stream:
                 self._elsewhere += time.perf_counter() - t0
             if chunk is None:
                 return
+            yield chunk
+
+    @property
+    def reason(self) -> str:
+        return self._reason
+
+    def _release(self) -> None:
+        """Free what the body holds besides its generator (after ``_closed`` is set)."""
+
+    def close(self, reason: str = "") -> None:
+        """End everything the stream holds: stop the worker, free the body's resources (the
+        body's thread, if it is in a read or write, then sees its pipe close), free the slot."""
+        self.job.abandon()
+        with self._lock:
+            self._closed = True
+            self._reason = self._reason or reason
+        self._release()
+        if self._body is not None:
+            with contextlib.suppress(ValueError):  # running in its thread: it sees EOF and ends
+                self._body.close()  # else suspended: closing frees its pipes now, not at GC
+        self.job.channel.reader_done()
+
+
+class Mp4Stream(ChannelStream):
+    """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes."""
+
+    kind = "MP4 stream"
+
+    def __init__(self, job: Job, fps: float, threads: int | None = None) -> None:
+        super().__init__(job)
+        self.fps, self.threads = fps, threads
+        self._proc: subprocess.Popen | None = None
+
+    def _produce(self) -> Iterator[bytes]:
+        yield from encode_mp4(self._frames(), self.fps, threads=self.threads, started=self._started)
+
+    def _frames(self) -> Iterator[Any]:
+        for chunk in self._chunks():
             yield from chunk.numpy()
 
     def _started(self, proc: subprocess.Popen) -> None:
@@ -99,23 +154,89 @@ class Mp4Stream:
         if closed:  # the response ended while ffmpeg was starting
             reap(proc)
 
-    @property
-    def reason(self) -> str:
-        return self._reason
-
-    def close(self, reason: str = "") -> None:
-        """End everything the stream holds: stop the worker, kill and reap ffmpeg (the body's
-        thread, if it is in a read or write, then sees the pipe close), free the slot."""
-        self.job.abandon()
+    def _release(self) -> None:
         with self._lock:
-            self._closed, proc = True, self._proc
-            self._reason = self._reason or reason
+            proc = self._proc
         if proc is not None:
             reap(proc)
-        if self._body is not None:
-            with contextlib.suppress(ValueError):  # running in its thread: it sees EOF and ends
-                self._body.close()  # else suspended: closing frees its pipes now, not at GC
-        self.job.channel.reader_done()
+
+
+# How a streamed tensor answer's bytes are ordered (docs/wire-format.md, "Streamed answers"):
+FRAMES = "frames"  # frame-major answers ([N,3,H,W], [N,H,W,3]): each chunk's frames as they come
+BCTHW = "BCTHW"  # the decoder's own [B,3,T,H,W], row-major: a row's channel-0 planes stream
+#                  as they decode, its channels 1 and 2 follow once the row is decoded
+BTCHW = "BTCHW"  # [B,T,3,H,W], row-major: every frame as it decodes (X-Tensor-Layout: BTCHW)
+TENSOR_LAYOUTS = (BCTHW, BTCHW)
+
+
+class TensorStream(ChannelStream):
+    """A streamed tensor answer: each decoded frame's raw little-endian bytes as it comes, in
+    the order ``layout`` says, its head (``shape``, ``x-frames``) sent before the first.
+
+    ``frame_shape``: one frame's shape on the wire (``[3,H,W]``, ``[H,W,3]``; for ``BCTHW``
+    ``[3,H,W]`` too); ``rows`` x ``frames`` frames in all. A chunk that does not fit the head
+    (its size, dtype, or more or fewer frames than it said) aborts the stream: a truncated
+    body, never a wrong one."""
+
+    kind = "tensor stream"
+
+    def __init__(
+        self,
+        job: Job,
+        layout: str,
+        frame_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        rows: int,
+        frames: int,
+    ) -> None:
+        super().__init__(job)
+        self.layout, self.frame_shape, self.dtype = layout, tuple(frame_shape), dtype
+        self.rows, self.frames = rows, frames
+
+    def _produce(self) -> Iterator[bytes]:
+        done, held = 0, []  # frames so far; BCTHW: the row's channels 1 and 2, until it ends
+        for chunk in self._chunks():
+            frames = self._frames_of(chunk)
+            row_left = self.frames - done % self.frames
+            if len(frames) > row_left or done + len(frames) > self.rows * self.frames:
+                raise RuntimeError(
+                    f"the decode gave more frames than the {self.rows}x{self.frames} the "
+                    "answer's head announced"
+                )
+            for frame in frames:
+                yield raw_bytes(frame[0] if self.layout == BCTHW else frame)
+            if self.layout == BCTHW:
+                held.append(torch.stack([f[1:] for f in frames], 1))  # [2,t,H,W]
+            done += len(frames)
+            if held and done % self.frames == 0:  # the row is whole: its other two planes
+                for channel in range(2):
+                    for planes in held:
+                        yield raw_bytes(planes[channel])
+                held = []
+        if done != self.rows * self.frames:
+            raise RuntimeError(
+                f"the decode gave {done} frames; the answer's head announced "
+                f"{self.rows * self.frames}"
+            )
+
+    def _frames_of(self, chunk: Tensor) -> list[Tensor]:
+        """A chunk's frames, each in the wire's frame shape (``[3,H,W]`` for both tensor
+        layouts: a ``[1,3,t,H,W]`` chunk's frame ``i`` is ``chunk[0, :, i]``)."""
+        if chunk.dtype != self.dtype:
+            raise RuntimeError(f"decoded {chunk.dtype}, the answer's head said {self.dtype}")
+        frames = list(chunk[0].unbind(1)) if self.layout in TENSOR_LAYOUTS else list(chunk)
+        for frame in frames[:1]:
+            if tuple(frame.shape) != self.frame_shape:
+                raise RuntimeError(
+                    f"decoded frames of {list(frame.shape)}, the answer's head said "
+                    f"{list(self.frame_shape)}"
+                )
+        return frames
+
+
+def raw_bytes(tensor: Tensor) -> bytes:
+    """A tensor's raw little-endian bytes, as a whole tensor answer writes them."""
+    return write.tensor_bytes(tensor)[0]
 
 
 class ReaderProgress:
@@ -223,6 +344,6 @@ def quiet_aborts() -> None:
             logger.addFilter(_quiet)
 
 
-def abort_warning(scope: dict[str, Any], model: str, reason: str) -> None:
+def abort_warning(scope: dict[str, Any], model: str, reason: str, kind: str = "MP4 stream") -> None:
     request_id = (scope.get("state") or {}).get("request_id")
-    log.warning("MP4 stream aborted: request %s, model %s: %s", request_id, model, reason)
+    log.warning("%s aborted: request %s, model %s: %s", kind, request_id, model, reason)

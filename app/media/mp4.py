@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from app.config import setting
+
 READ_SIZE = 1 << 16
 _running: set[subprocess.Popen] = set()  # live encoders, so an exiting process ends them all
 _running_lock = threading.Lock()
@@ -97,7 +99,7 @@ def h264_encoder() -> str:
     """``h264_nvenc`` where this ffmpeg has it and the GPU can run it (an L4 can, an H200 has
     no NVENC), else ``libx264``. Tried once with a tiny encode: a listed encoder may still
     fail to open on a card without the hardware. ``VAE_H264_ENCODER`` forces one."""
-    forced = os.environ.get("VAE_H264_ENCODER")
+    forced = setting("h264_encoder")
     if forced:
         return forced
     try:

@@ -233,7 +233,11 @@ def _check_pixels(
     itemsize = WIRE_DTYPES[dtype][1]
     if math.prod(shape) * itemsize > limits.max_body_bytes:
         raise ProtocolError(
-            413, f"pixels {list(shape)} exceed the body limit of {limits.max_body_bytes} bytes"
+            413,
+            f"pixels {list(shape)} exceed the body limit of {limits.max_body_bytes} bytes "
+            "(VAE_MAX_BODY_MB, within the platform's request limit)",
+            "the image as PNG, JPEG or WebP, or the video as an MP4, instead of a raw pixel "
+            "tensor; or fewer batch rows per request",
         )
     _check_size(b, frames, h, w, geo, limits)
     scale = geo.spatial_scale * (2 if packed else 1)

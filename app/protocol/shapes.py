@@ -165,7 +165,10 @@ def check_declared(
     if size > limits.max_body_bytes:
         raise ProtocolError(
             413,
-            f"shape {list(params.shape)} needs {size} bytes; the limit is {limits.max_body_bytes}",
+            f"shape {list(params.shape)} needs {size} bytes; the body limit is "
+            f"{limits.max_body_bytes} (VAE_MAX_BODY_MB, within the platform's request limit)",
+            f"a body of at most {limits.max_body_bytes} bytes: the latent as bfloat16 or "
+            "float16 (half of float32's bytes), or fewer batch rows or frames per request",
         )
     check_shape(layout_shape(params.shape, params, geo), geo, limits, kind, itemsize)
 

@@ -97,12 +97,14 @@ class Runtime:
         if self.registry.pending:
             self.registry.select_pending()
             self.warm_up()  # the winners' own first decodes
-        self.compile_warm_up_shapes()
+        if not self.registry.stopping:
+            self.compile_warm_up_shapes()
 
     def start(self) -> None:
         self.scheduler.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        self.registry.stopping = True  # the after-ready measurements end with the part at hand
         self.scheduler.stop(timeout)
 
     def submit(self, job: Job):

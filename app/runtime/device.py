@@ -5,11 +5,12 @@ retry smaller; a sticky CUDA error: the instance must go)."""
 from __future__ import annotations
 
 import logging
-import os
 import resource
 from pathlib import Path
 
 import torch
+
+from app.config import setting
 
 log = logging.getLogger("app.runtime.device")
 
@@ -52,9 +53,9 @@ def cpu_has_fast_bf16() -> bool:
     without them (AVX2) oneDNN emulates bf16 and a decode is many times slower.
     ``VAE_CPU_FAST_BF16=1|0`` overrides the detection (so the tests can take the branch
     this CPU would not)."""
-    forced = os.environ.get("VAE_CPU_FAST_BF16", "").strip().lower()
-    if forced in ("1", "true", "0", "false"):
-        return forced in ("1", "true")
+    forced = setting("cpu_fast_bf16")
+    if forced is not None:
+        return forced
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:

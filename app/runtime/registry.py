@@ -54,6 +54,7 @@ class Registry:
         self.states: dict[str, ModelState] = {}  # every configured model, served or not
         self.pending: list[_Entry] = []  # served on the exact path until their modes are measured
         self.loading = True
+        self.stopping = False  # the service is shutting down: measure no more modes
         self.device = torch.device("cpu")
 
     # --- loading --------------------------------------------------------------------------
@@ -148,7 +149,7 @@ class Registry:
     def select_pending(self) -> None:
         """Measure and gate the candidate modes of the parts served on the exact path for now;
         each winner replaces its part (a run in flight keeps the one it took)."""
-        while self.pending:
+        while self.pending and not self.stopping:
             entry = self.pending.pop(0)
             served = self.encoders if entry.part == ENCODER else self.models
             entry.state.selection = "measuring"
@@ -187,8 +188,10 @@ class Registry:
         state = entry.state
         if not upgrade:
             state.enter("gating")
-        with state.phase("gate"):
-            if entry.status != "valid":
+        candidates = modes.candidate_modes(self.settings.dtype, self.device)
+        with state.phase("select" if upgrade else "gate"):  # after ready: its own phase
+            # nothing to gate on the exact path alone: no reference outputs, nothing timed
+            if entry.status != "valid" and not selection.exact_only(candidates, self.device):
                 references.recompute(
                     entry.folder, entry.manifest, entry.part, entry.probes, entry.status
                 )
@@ -196,7 +199,7 @@ class Registry:
                 _what(entry),
                 entry.probes,
                 self.device,
-                modes.candidate_modes(self.settings.dtype, self.device),
+                candidates,
                 self.settings.parity_min_cos,
                 self.settings.gate_repeats,
             )
@@ -268,7 +271,6 @@ class Registry:
         if not after_ready:
             self.metrics.model_load_seconds.labels(name, "total").set(state.elapsed())
         for phase, seconds in state.phases.items():
-            phase = "select" if after_ready and phase == "gate" else phase
             self.metrics.model_load_seconds.labels(name, phase).set(seconds)
 
     # --- what the service reads -----------------------------------------------------------

@@ -291,12 +291,18 @@ class Runner:
     def stream(
         self, model: ServedPart, request: DecodeRequest, timer: PhaseTimer
     ) -> Iterator[Tensor]:
-        """The first video in ``request.latent``, chunk by chunk as it is decoded: frames
-        ``[t,...]`` (uint8 ``[t,H,W,3]`` for MP4) or, for ``Output.TENSOR``, the decoder's own
-        ``[1,3,t,H,W]``. On out-of-memory the decode resumes on the next rung of the ladder,
-        skipping the frames already sent (decoding is deterministic)."""
+        """Every video in ``request.latent``, one row after another, chunk by chunk as it is
+        decoded: frames ``[t,...]`` (uint8 ``[t,H,W,3]`` for MP4) or, for ``Output.TENSOR``,
+        the decoder's own ``[1,3,t,H,W]``; a chunk never spans two rows. On out-of-memory a
+        row's decode resumes on the next rung of the ladder, skipping the frames already
+        sent (decoding is deterministic)."""
+        for row in range(request.latent.shape[0]):
+            yield from self._stream_row(model, request, request.latent[row : row + 1], timer)
+
+    def _stream_row(
+        self, model: ServedPart, request: DecodeRequest, latent: Tensor, timer: PhaseTimer
+    ) -> Iterator[Tensor]:
         axis = 0 if request.output.frames else 2  # where a chunk's frames are
-        latent = request.latent[:1]
         attempt, sent = self._first_attempt(model, latent, request.options.get("tiled")), 0
         while True:
             skip = sent

@@ -8,7 +8,8 @@ the manifest's ``max_batch``, and the runner's plan of what fits the device), a 
 rows runs in several, and each job gets its own rows' outputs back. A job whose caller left,
 or whose deadline passed before it could start, is dropped before any work.
 
-Long work does not hold short work: a chunked job (a streamed video decode, a video encode)
+Long work does not hold short work: a chunked job (a streamed video decode: every video
+answer, an MP4 or its frames as tensor bytes; a video encode)
 runs one chunk at a time, and between its chunks (and while a stream's buffer is full) the
 worker serves whatever other work is queued, so a small request waits about one chunk, not
 whole videos. Chunked jobs run one at a time, in order (each holds its module's working
@@ -75,7 +76,7 @@ class Job:
     part: ServedPart
     request: DecodeRequest | EncodeRequest
     timer: PhaseTimer
-    channel: FrameChannel | None = None  # streamed (MP4): frames go here as they decode
+    channel: FrameChannel | None = None  # streamed (a video): frames go here as they decode
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.perf_counter)
     abandoned: threading.Event = field(default_factory=threading.Event)  # the caller left

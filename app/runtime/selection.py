@@ -81,7 +81,7 @@ def choose(
 ) -> Selection:
     """Measure every candidate, then gate them fastest first; the first that passes wins."""
     reference = probes.reference
-    if candidate_modes == [modes.EXACT] and device.type == "cpu":
+    if exact_only(candidate_modes, device):
         only = Candidate(modes.EXACT, reference, report=gate.EXACT_REPORT)
         return Selection(only, True, "the only candidate: the exact path", [only])
     candidates = [Candidate(mode) for mode in candidate_modes]
@@ -103,6 +103,11 @@ def choose(
     finally:
         for candidate in candidates:
             candidate.output = None
+
+
+def exact_only(candidate_modes: list[Mode], device: torch.device) -> bool:
+    """The exact path is the one candidate: it is the reference, nothing to time or gate."""
+    return candidate_modes == [modes.EXACT] and device.type == "cpu"
 
 
 def _gate_in_order(

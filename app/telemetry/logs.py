@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from app.config import setting
+
 REQUEST_LOGGER = "app.protocol.request"
 TRACE_FIELD = "logging.googleapis.com/trace"
 SPAN_FIELD = "logging.googleapis.com/spanId"
@@ -108,8 +110,8 @@ class JsonFormatter(logging.Formatter):
 
 def json_from_env() -> bool:
     """``VAE_LOG_FORMAT=json|text``; unset: JSON on Cloud Run (``K_SERVICE`` set), else text."""
-    fmt = os.environ.get("VAE_LOG_FORMAT", "").strip().lower()
-    if fmt in ("json", "text"):
+    fmt = setting("log_format")
+    if fmt != "auto":
         return fmt == "json"
     return bool(os.environ.get("K_SERVICE"))
 
@@ -152,7 +154,7 @@ def _clip(value: Any, limit: int = MAX_FIELD) -> str:
 def trace_fields(header: str | None, project: str | None = None) -> dict[str, Any]:
     """``X-Cloud-Trace-Context`` (``TRACE/SPAN;o=1``) or W3C ``traceparent`` -> Cloud Logging's
     trace fields. Needs the project id (argument, or ``GOOGLE_CLOUD_PROJECT``); else nothing."""
-    project = project or os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("VAE_GCP_PROJECT")
+    project = project or os.environ.get("GOOGLE_CLOUD_PROJECT") or setting("gcp_project")
     if not header or not project:
         return {}
     header = header.strip()

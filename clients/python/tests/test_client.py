@@ -334,6 +334,8 @@ def test_video_frames_and_mp4(video_server, tmp_path):
     with Client(video_server, timeout=60) as c:
         frames = c.decode(zv, "video-tiny", "frames")
         assert frames.ndim == 4 and frames.shape[1:] == (3, 32, 32)
+        head = c.last_call.headers  # streamed as it decoded, the frame count in its head
+        assert head["x-frames"] == str(frames.shape[0]) and "content-length" not in head
         path = c.decode_to_file(zv, tmp_path / "v.mp4", "video-tiny", fps=12)
     import imageio_ffmpeg
 

@@ -4,13 +4,16 @@
 Latents go in as numpy arrays (float32/float16), raw little-endian bytes with
 ``shape``/``dtype``, a ``.npy``/``.safetensors`` path, or a torch tensor when the caller
 already has torch loaded (bfloat16 included). Images come back as encoded bytes (or PIL),
-tensors as numpy, MP4 as bytes or streamed to a file::
+tensors as numpy, MP4 as bytes or streamed to a file. A video's answer streams while it
+decodes: ``progress=`` (a callable ``(frames_in, frames_total)``, or True for a bar on a
+terminal's stderr) follows it::
 
     from vae_client import Client
 
     client = Client("http://127.0.0.1:8080")
     png = client.decode(latent, model="flux1", do_scaling=True)
     z = client.encode(Image.open("photo.png"), model="flux1", do_scaling=True)  # numpy latent
+    video = client.decode("z.npy", model="ltx-video", output="tensor", progress=True)
 
 429/503 are retried after ``Retry-After`` (jittered, at most ``max_retries`` times, never
 past ``deadline``); a refused request raises ``DecodeError`` with the server's ``error`` and
@@ -21,6 +24,7 @@ from vae_client.aio import AsyncClient
 from vae_client.auth import Token, TokenProvider, TokenSource, jwt_expiry
 from vae_client.base import DEFAULT_URL
 from vae_client.errors import DeadlineExceeded, DecodeError
+from vae_client.progress import ProgressBar
 from vae_client.retry import RetryPolicy, parse_retry_after
 from vae_client.sync import Client, decode, encode
 from vae_client.timing import CallInfo, parse_server_timing
@@ -36,6 +40,7 @@ __all__ = [
     "Client",
     "DeadlineExceeded",
     "DecodeError",
+    "ProgressBar",
     "RetryPolicy",
     "Token",
     "TokenProvider",

@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
+from vae_client.answers import BufferSink, FileSink, ProgressCallback, Reception, sink_for
 from vae_client.base import DEFAULT_URL, BaseClient
 from vae_client.files import atomic_write, save_array
+from vae_client.progress import Progress, reporting
 from vae_client.wire import (
     ARRAY_OUTPUTS,
     Request,
     build_encode_request,
     build_request,
-    decode_response,
     encode_params,
     latent_format_for_path,
     latent_response,
@@ -50,12 +50,15 @@ class AsyncClient(BaseClient):
         output: str = "png",
         *,
         deadline: float | None = None,
+        progress: Progress = None,
         **params: Any,
     ) -> bytes | np.ndarray:
+        """``Client.decode`` awaited (``progress`` is called in the event loop)."""
         req = build_request(latent, model, output, params, None)
-        buf = bytearray()
-        response = await self._send(req, buf.extend, deadline)
-        return decode_response(req.output, buf, response.headers)
+        sink = sink_for(req.output)
+        with reporting(progress, _label(model)) as report:
+            await self._send(req, sink, deadline, report)
+        return sink.result()
 
     async def decode_to_file(
         self,
@@ -65,17 +68,21 @@ class AsyncClient(BaseClient):
         output: str | None = None,
         *,
         deadline: float | None = None,
+        progress: Progress = None,
         **params: Any,
     ) -> Path:
+        """``Client.decode_to_file`` awaited."""
         path = Path(path)
         output = output or output_for_path(path)
         if output_name(output) in ARRAY_OUTPUTS:
-            array = await self.decode(latent, model, output, deadline=deadline, **params)
+            array = await self.decode(
+                latent, model, output, deadline=deadline, progress=progress, **params
+            )
             save_array(path, array)
             return path
         req = build_request(latent, model, output, params, None)
-        with atomic_write(path) as f:
-            await self._send(req, f.write, deadline)
+        with atomic_write(path) as f, reporting(progress, _label(model)) as report:
+            await self._send(req, FileSink(f), deadline, report)
         return path
 
     async def encode(
@@ -94,9 +101,9 @@ class AsyncClient(BaseClient):
         """``Client.encode`` awaited: pixels -> the latent as numpy."""
         params = encode_params(scaling_factor, shift_factor, do_scaling, sample, seed, packed)
         req = build_encode_request(image, model, params)
-        buf = bytearray()
-        response = await self._send(req, buf.extend, deadline)
-        return latent_response(req.output, buf, response.headers)
+        sink = BufferSink()
+        response = await self._send(req, sink, deadline)
+        return latent_response(req.output, sink.buffer, response.headers)
 
     async def encode_to_file(
         self,
@@ -112,11 +119,15 @@ class AsyncClient(BaseClient):
             image, model, encode_params(**options), latent_format_for_path(path)
         )
         with atomic_write(path) as f:
-            await self._send(req, f.write, deadline)
+            await self._send(req, FileSink(f), deadline)
         return path
 
     async def _send(
-        self, req: Request, sink: Callable[[bytes], Any], deadline: float | None
+        self,
+        req: Request,
+        sink: Any,
+        deadline: float | None,
+        progress: ProgressCallback | None = None,
     ) -> httpx.Response:
         """``Client._send`` with awaits: the same retries, waits and deadline."""
         attempts = self._begin(deadline)
@@ -140,9 +151,11 @@ class AsyncClient(BaseClient):
                     if response.status_code >= 400:
                         wait = self._refused(attempts, response, await response.aread(), req)
                     else:
+                        reception = Reception(req.output, response.headers, sink, progress)
                         async for chunk in response.aiter_bytes():
                             attempts.check()
-                            sink(chunk)
+                            reception.feed(chunk)
+                        reception.end()
                         self._finish(attempts, req, response)
                         return response
             except httpx.TimeoutException as exc:
@@ -150,3 +163,7 @@ class AsyncClient(BaseClient):
             except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
                 wait = attempts.delay(None, self._unreachable(exc))
             await asyncio.sleep(wait)
+
+
+def _label(model: str | None) -> str:
+    return f"decoding with {model}" if model else "decoding"

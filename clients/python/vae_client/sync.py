@@ -5,21 +5,21 @@ from __future__ import annotations
 import io
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 
+from vae_client.answers import BufferSink, FileSink, ProgressCallback, Reception, sink_for
 from vae_client.base import DEFAULT_URL, BaseClient
 from vae_client.files import atomic_write, save_array
+from vae_client.progress import Progress, reporting
 from vae_client.wire import (
     ARRAY_OUTPUTS,
     Request,
     build_encode_request,
     build_request,
-    decode_response,
     encode_params,
     latent_format_for_path,
     latent_response,
@@ -56,17 +56,23 @@ class Client(BaseClient):
         output: str = "png",
         *,
         deadline: float | None = None,
+        progress: Progress = None,
         **params: Any,
     ) -> bytes | np.ndarray:
         """One latent -> encoded image/MP4 bytes, or numpy for ``tensor``/``frames``.
 
-        ``params`` are the service's query params (``do_scaling``, ``scaling_factor``,
-        ``shift_factor``, ``height``, ``width``, ``fps``, ``quality``, ``timestep``, ...).
+        ``latent``: a numpy array, a torch tensor, raw bytes (with ``shape``), or the path
+        (``str`` or ``os.PathLike``) of a ``.npy`` / ``.safetensors`` file. ``params`` are
+        the service's query params (``do_scaling``, ``scaling_factor``, ``shift_factor``,
+        ``height``, ``width``, ``fps``, ``quality``, ``timestep``, ...). ``progress``: a
+        callable ``(frames_received, frames_in_all)`` called as a video's answer streams in,
+        or True for a bar on stderr (drawn only on a terminal).
         """
         req = build_request(latent, model, output, params, None)
-        buf = bytearray()
-        response = self._send(req, buf.extend, deadline)
-        return decode_response(req.output, buf, response.headers)
+        sink = sink_for(req.output)
+        with reporting(progress, _label(model)) as report:
+            self._send(req, sink, deadline, report)
+        return sink.result()
 
     def decode_image(self, latent: Any, model: str | None = None, **params: Any) -> Any:
         """One latent -> a ``PIL.Image`` (PNG on the wire: lossless; needs Pillow)."""
@@ -82,17 +88,22 @@ class Client(BaseClient):
         output: str | None = None,
         *,
         deadline: float | None = None,
+        progress: Progress = None,
         **params: Any,
     ) -> Path:
-        """Decode and write ``path`` (format from its suffix), streaming the body to disk."""
+        """Decode and write ``path`` (format from its suffix), streaming the body to disk;
+        ``progress`` as ``decode``'s."""
         path = Path(path)
         output = output or output_for_path(path)
         if output_name(output) in ARRAY_OUTPUTS:
-            save_array(path, self.decode(latent, model, output, deadline=deadline, **params))
+            array = self.decode(
+                latent, model, output, deadline=deadline, progress=progress, **params
+            )
+            save_array(path, array)
             return path
         req = build_request(latent, model, output, params, None)
-        with atomic_write(path) as f:
-            self._send(req, f.write, deadline)
+        with atomic_write(path) as f, reporting(progress, _label(model)) as report:
+            self._send(req, FileSink(f), deadline, report)
         return path
 
     def encode(
@@ -117,9 +128,9 @@ class Client(BaseClient):
         model's own normalisation, ``packed`` FLUX's packed layout."""
         params = encode_params(scaling_factor, shift_factor, do_scaling, sample, seed, packed)
         req = build_encode_request(image, model, params)
-        buf = bytearray()
-        response = self._send(req, buf.extend, deadline)
-        return latent_response(req.output, buf, response.headers)
+        sink = BufferSink()
+        response = self._send(req, sink, deadline)
+        return latent_response(req.output, sink.buffer, response.headers)
 
     def encode_to_file(
         self,
@@ -138,7 +149,7 @@ class Client(BaseClient):
             image, model, encode_params(**options), latent_format_for_path(path)
         )
         with atomic_write(path) as f:
-            self._send(req, f.write, deadline)
+            self._send(req, FileSink(f), deadline)
         return path
 
     def models(self) -> dict[str, Any]:
@@ -151,9 +162,14 @@ class Client(BaseClient):
             return False
 
     def _send(
-        self, req: Request, sink: Callable[[bytes], Any], deadline: float | None
+        self,
+        req: Request,
+        sink: Any,
+        deadline: float | None,
+        progress: ProgressCallback | None = None,
     ) -> httpx.Response:
-        """POST until answered (retrying 429/503 and connection failures), body into ``sink``."""
+        """POST until answered (retrying 429/503 and connection failures), the body into
+        ``sink`` as it arrives (each attempt from its start), ``progress`` told the frames."""
         attempts = self._begin(deadline)
         reauthorized = False
         while True:
@@ -175,9 +191,11 @@ class Client(BaseClient):
                     if response.status_code >= 400:
                         wait = self._refused(attempts, response, response.read(), req)
                     else:
+                        reception = Reception(req.output, response.headers, sink, progress)
                         for chunk in response.iter_bytes():
                             attempts.check()
-                            sink(chunk)
+                            reception.feed(chunk)
+                        reception.end()
                         self._finish(attempts, req, response)
                         return response
             except httpx.TimeoutException as exc:
@@ -185,6 +203,10 @@ class Client(BaseClient):
             except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
                 wait = attempts.delay(None, self._unreachable(exc))
             time.sleep(wait)
+
+
+def _label(model: str | None) -> str:
+    return f"decoding with {model}" if model else "decoding"
 
 
 def decode(

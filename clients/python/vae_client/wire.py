@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from vae_client.answers import FRAMES_MAJOR
 from vae_client.errors import DecodeError
 
 # output -> (query params, Accept): the same params remote_decode sends for each
@@ -58,8 +59,9 @@ def output_name(output: str) -> str:
     return name
 
 
-def output_for_path(path: Path) -> str:
+def output_for_path(path: str | os.PathLike) -> str:
     """The output a file's suffix asks for: ``out.webp`` -> ``"webp"``."""
+    path = Path(path)
     try:
         return SUFFIX_OUTPUT[path.suffix.lower()]
     except KeyError:
@@ -77,6 +79,8 @@ def build_request(
     fixed, accept = OUTPUTS[name]
     query = encode_query({**fixed, **wire, **params})
     headers = {"Content-Type": content_type, "Accept": accept, "X-Request-Id": uuid.uuid4().hex}
+    if name == "tensor":  # a video's frames each as it decodes (put back in place on receipt)
+        headers["X-Tensor-Layout"] = FRAMES_MAJOR
     if token:
         headers["Authorization"] = f"Bearer {token}"
     path = f"/decode/{model}" if model else "/decode"
@@ -84,12 +88,13 @@ def build_request(
 
 
 def encode_latent(latent: Any, params: dict[str, Any]) -> tuple[bytes, str, dict[str, Any]]:
-    """Latent -> (body, Content-Type, wire params). Raw bytes need ``shape`` (and ``dtype``)."""
+    """Latent -> (body, Content-Type, wire params). Raw bytes need ``shape`` (and ``dtype``);
+    a ``str`` or ``os.PathLike`` is a ``.npy`` / ``.safetensors`` file, sent as it is."""
     if isinstance(latent, bytes | bytearray | memoryview):
         if "shape" not in params:
             raise ValueError("a raw bytes latent needs shape=[...] (and dtype=, default float32)")
         return bytes(latent), "tensor/binary", {}
-    if isinstance(latent, os.PathLike):
+    if isinstance(latent, str | os.PathLike):
         path = Path(latent)
         if path.suffix.lower() not in LATENT_FILE_TYPES:
             raise ValueError(f"{path}: a latent file is .npy or .safetensors")
@@ -182,8 +187,9 @@ def sniff_media(data: bytes) -> str | None:
     return None
 
 
-def latent_format_for_path(path: Path) -> str:
+def latent_format_for_path(path: str | os.PathLike) -> str:
     """``z.safetensors`` -> ``"safetensors"``; ValueError for a suffix with no latent format."""
+    path = Path(path)
     try:
         return LATENT_SUFFIX[path.suffix.lower()]
     except KeyError:

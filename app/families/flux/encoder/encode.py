@@ -28,7 +28,6 @@ WINOGRAD_BLOCKS = 4.25
 
 
 class Encoder(EncoderModel):
-
     # --- geometry -------------------------------------------------------
     @property
     def latent_channels(self) -> int:

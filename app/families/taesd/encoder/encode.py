@@ -21,7 +21,6 @@ MAPS_PER_FRAME = 4.5
 
 
 class Encoder(EncoderModel):
-
     @property
     def latent_channels(self) -> int:
         return int(self.config["latent_channels"])
