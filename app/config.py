@@ -97,13 +97,17 @@ class Settings(BaseSettings):
     drain_grace_s: float = Field(
         10.0, ge=0, description="SIGTERM: the process has exited this long after the signal"
     )
-    stream_stall_s: float = Field(60.0, gt=0, description="an MP4 reader this slow is dropped")
-    stream_buffer_mb: int = Field(256, ge=1, description="decoded frames buffered per MP4 stream")
+    stream_stall_s: float = Field(60.0, gt=0, description="a stream reader this slow is dropped")
+    stream_buffer_mb: int = Field(
+        256, ge=1, description="decoded frames buffered per streamed video answer"
+    )
     stream_wait_s: float = Field(
-        5.0, gt=0, description="how long the worker waits on a full MP4 buffer's reader"
+        5.0, gt=0, description="how long the worker waits on a full stream buffer's reader"
     )
     streams_max: int = Field(
-        8, ge=1, description="MP4 streams admitted at once (queued, decoding or sending), else 429"
+        8,
+        ge=1,
+        description="streamed video answers admitted at once (queued, decoding, sending), else 429",
     )
     encoder_threads: int = Field(2, ge=1, description="libx264 threads of each MP4 stream's ffmpeg")
     stream_socket_kb: int = Field(

@@ -95,13 +95,15 @@ def live_server(store: Path, **settings: Any) -> Iterator[str]:
         thread.join(15)
 
 
-def cli_import(store: Path, *models: tuple[str, Path, str]) -> list[str]:
+def cli_import(store: Path, *models: tuple[str, Path, str], references: bool = True) -> list[str]:
     """Import each ``(family, source, name)`` into ``store`` with the real CLI, as a user
-    would; all at once, since most of each run is importing torch. Returns their stdouts."""
+    would; all at once, since most of each run is importing torch. Returns their stdouts.
+    ``references=False``: ``--no-references`` (a store served float32 exact gates nothing)."""
     runs = []
     for key, source, name in models:
         command = [sys.executable, "-m", "app", "import", key, str(source)]
         command += ["--name", name, "--models-dir", str(store)]
+        command += [] if references else ["--no-references"]
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
         runs.append(subprocess.Popen(command, cwd=ROOT, text=True, **pipes))
     outputs = []
@@ -112,12 +114,17 @@ def cli_import(store: Path, *models: tuple[str, Path, str]) -> list[str]:
     return outputs
 
 
-def import_pretrained(store: Path, family: str, vaes: dict[str, Any]) -> None:
+def import_pretrained(
+    store: Path, family: str, vaes: dict[str, Any], references: bool = False
+) -> None:
     """Each diffusers VAE ``save_pretrained`` as the ``vae/`` of a pipeline folder beside
-    ``store``, then imported into ``store`` under its name with the real CLI."""
+    ``store``, then imported into ``store`` under its name with the real CLI (without the
+    gate references unless asked: the tests serve these float32 exact, which gates nothing)."""
     for name, vae in vaes.items():
         vae.save_pretrained(store.parent / name / "vae")
-    cli_import(store, *((family, store.parent / name, name) for name in vaes))
+    cli_import(
+        store, *((family, store.parent / name, name) for name in vaes), references=references
+    )
 
 
 def post(

@@ -323,8 +323,9 @@ def test_refuses_a_pickle_that_needs_code(tmp_path):
 @torch.no_grad()
 def test_cli_import_into_the_store(pairs, tmp_path):
     ref, _, config = pairs["wide"]
-    import_pretrained(tmp_path / "store", "hunyuan-video", {"hy": ref})
+    import_pretrained(tmp_path / "store", "hunyuan-video", {"hy": ref})  # --no-references
     manifest, decoder = load_model(tmp_path / "store", "hy", verify=True)
+    assert not list((tmp_path / "store").rglob("*gate_reference*")), "references were computed"
     assert manifest.family == "hunyuan-video" and manifest.config == config
     assert family("hunyuan-video").decoder.module is hunyuan_video.Decoder
     z = latent(1, 16, 5, 2, 2, seed=10)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -266,7 +266,10 @@ class Client:
             self.sock.close()
 
     def answer(self, timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
-        """(status, headers, body) once the server has closed; (0, {}, b"") without one."""
+        """(status, headers, body) once the server has closed; (0, {}, b"") without one. A
+        slow reader stops pacing now: what the exited server's kernel still sends (up to its
+        send buffer) is read at once."""
+        self.pace = 0
         self.thread.join(timeout)
         head, _, body = self.received.partition(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 "):
@@ -321,13 +324,16 @@ def set_up(case: str, url: str, base: float, keep: list) -> list[Client]:
     return [half]
 
 
-def run_case(case: str, store: Path, tmp_path: Path, base: float) -> dict:
+def run_case(case: str, store: Path, tmp_path: Path, base: float, ready: threading.Barrier) -> dict:
     """A server in the manifest's settings, put in ``case``'s state, then SIGTERM: seconds to
-    its exit, its status, whether the watchdog ended it, and every client's answer."""
+    its exit, its status, whether the watchdog ended it, and every client's answer. ``ready``:
+    every case's server is up (the load starts then, so that it weighs on the states and the
+    shutdowns, not on six servers' imports)."""
     log = tmp_path / f"{case.replace(' ', '-')}.log"
     env = manifest_env(tmp_path)
     keep: list = []
     with faulty.serve_process(store, log, True, **env) as (url, proc):
+        ready.wait(180)
         clients = set_up(case, url, base, keep)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -348,14 +354,15 @@ def run_case(case: str, store: Path, tmp_path: Path, base: float) -> dict:
     }
 
 
-def run_cases(store: Path, tmp_path: Path, base: float) -> list[dict]:
-    """Every case on its own server, all at once."""
+def run_cases(store: Path, tmp_path: Path, base: float, load: Callable[[], None]) -> list[dict]:
+    """Every case on its own server, all at once; ``load`` is called once all are up."""
     tmp_path.mkdir()
     results: list[dict] = []
+    ready = threading.Barrier(len(CASES), action=load)
 
     def run(case: str, tags: float) -> None:
         try:
-            results.append(run_case(case, store, tmp_path, tags))
+            results.append(run_case(case, store, tmp_path, tags, ready))
         except Exception as exc:  # the test fails on it, with the others' numbers printed
             results.append({"case": case, "exited": float("nan"), "rc": None, "error": exc,
                             "watchdog": False, "answers": [], "log": ""})  # fmt: skip
@@ -369,12 +376,16 @@ def run_cases(store: Path, tmp_path: Path, base: float) -> list[dict]:
 
 
 @contextlib.contextmanager
-def cpu_burners() -> Iterator[None]:
-    """One busy process per core while the block runs."""
-    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-               for _ in range(os.cpu_count() or 1)]  # fmt: skip
+def cpu_burners() -> Iterator[Callable[[], None]]:
+    """One busy process per core from when the block calls what it is given to its end."""
+    burners: list[subprocess.Popen] = []
+
+    def start() -> None:
+        burners.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                       for _ in range(os.cpu_count() or 1))  # fmt: skip
+
     try:
-        yield
+        yield start
     finally:
         for b in burners:
             b.kill()
@@ -406,8 +417,8 @@ def test_sigterm_exits_by_the_deadline_in_every_state_under_load(manifest_store,
     VAE_DRAIN_GRACE_S=8, SIGTERM in each state, on a machine with a busy process per core (a
     quiet machine exits sooner: the same cases, measured in docs/BENCHMARKS.md): the process
     exits within 9 s, and every client that had reached it gets a status line."""
-    with cpu_burners():
-        loaded = run_cases(manifest_store, tmp_path / "loaded", 400.0)
+    with cpu_burners() as load:
+        loaded = run_cases(manifest_store, tmp_path / "loaded", 400.0, load)
     print("\nloaded: " + "; ".join(
         f"{r['case']} {r['exited']:.2f} s rc {r['rc']}{' (watchdog)' * r['watchdog']} "
         f"{[a[0] for a in r['answers']]}" for r in loaded))  # fmt: skip

@@ -87,12 +87,24 @@ def test_bfl_layout_imports_identically_to_diffusers_folder(checkpoints, tmp_pat
     root, ref = checkpoints
     assert (
         _app(
-            "import", "flux", str(root / "pipeline"), "--name", "from-folder", store=tmp_path
+            "import",
+            "flux",
+            str(root / "pipeline"),
+            "--name",
+            "from-folder",
+            "--no-references",
+            store=tmp_path,
         ).returncode
         == 0
     )
     done = _app(
-        "import", "flux", str(root / "ae.safetensors"), "--name", "from-bfl", store=tmp_path
+        "import",
+        "flux",
+        str(root / "ae.safetensors"),
+        "--name",
+        "from-bfl",
+        "--no-references",
+        store=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     _, a = load_model(tmp_path, "from-folder")
@@ -116,6 +128,7 @@ def test_manifest_records_family_dtype_source_and_hash(checkpoints, tmp_path):
         "half",
         "--dtype",
         "bfloat16",
+        "--no-references",
         store=tmp_path,
     )
     assert done.returncode == 0, done.stderr

@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> None:
     imp.add_argument("--name", required=True)
     imp.add_argument("--models-dir", default=DEFAULT_STORE)
     imp.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    imp.add_argument("--no-references", action="store_true", help="leave the gate references "
+                     "to the first start that gates a fast mode (then stored)")  # fmt: skip
     imp.set_defaults(run=_import)
 
     dec = sub.add_parser("decode", help="decode a latent file (local store or --url)")

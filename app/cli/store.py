@@ -86,7 +86,9 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     except StoreError as exc:
         print(f"import refused: {exc}", file=sys.stderr)
         return 2
-    refs = store_references(Path(args.models_dir), manifest.name)  # the gate's outputs
+    refs = "gate references left to the first start"
+    if not args.no_references:
+        refs = store_references(Path(args.models_dir), manifest.name)  # the gate's outputs
     print(
         f"imported {args.source} as {manifest.name} ({manifest.family}, {manifest.dtype}, "
         f"parts {'+'.join(manifest.parts)}, sha256 {manifest.sha256[:12]}; {refs})"

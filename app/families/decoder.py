@@ -1,6 +1,7 @@
 """The one interface every decoder family implements.
 
-A family package (``app/decoders/<family>/``, see docs/decoders.md) exports:
+A decoder is the ``decoder/`` sub-package of its family's package
+(``app/families/<package>/decoder/``, docs/decoders.md); it exports:
 
 * ``Decoder``: a ``VAEDecoder`` subclass built from a plain JSON config dict.
   Its ``state_dict()`` names are the canonical names of the model store.

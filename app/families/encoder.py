@@ -1,11 +1,11 @@
 """The one interface every encoder family implements (pixels in, latents out).
 
-An encoder family is a package ``app/encoders/<family>/`` following the decoders' template
-(docs/decoders.md): ``model.py`` (the layers and the architecture's ``forward``; torch,
-``app/decoders/ops`` and the decoder family's shared layers only), ``encode.py`` (the
+An encoder is the ``encoder/`` sub-package of its family's package
+(``app/families/<package>/encoder/``, docs/encoders.md), described by the family's ``FAMILY``
+descriptor: ``model.py`` (the layers and the architecture's ``forward``), ``encode.py`` (the
 family's ``Encoder``: clips, tiles, geometry, normalisation, its working-memory estimate),
 ``convert.py`` (checkpoint layouts -> canonical encoder-only names) and ``synthetic.py``
-(seeded trained-like weights). The family keys are the decoders' (``FAMILIES``).
+(seeded trained-like weights).
 
 ``Encoder.moments`` is exactly what the reference's ``encode(x).latent_dist`` holds: the
 concatenated ``[mean, logvar]`` along channels for the KL families (diffusers'

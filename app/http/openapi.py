@@ -378,7 +378,7 @@ def run_errors(op: str, named: bool) -> dict[str, Any]:
             json_body({"anyOf": [ref("Error"), ref("InvalidRequest")]}),
         ),
         "429": error(
-            "the queue is full, the MP4 streams cap (VAE_STREAMS_MAX) is reached, or the "
+            "the queue is full, the streamed-answers cap (VAE_STREAMS_MAX) is reached, or the "
             "request bodies in flight hold the body budget (VAE_BODIES_MB)",
             retry=True,
         ),
