@@ -29,21 +29,20 @@ serve: $(STAMP)
 		$(PY) -m app bake --synthetic --no-references --models-dir $(MODELS_DIR)
 	PORT=$(PORT) $(PY) -m app serve --models-dir $(MODELS_DIR)
 
-# The whole suite once, then again, in the other bf16 candidate order (VAE_CPU_FAST_BF16:
-# app/runtime/modes.py), the tests whose run reads that order (marked `bf16_order`; a test
-# that reads it unmarked fails, tests/order.py): on any machine every order-dependent outcome
-# is checked in both orders. Two test processes at a time (pytest-xdist): the tests pick free
-# ports and temporary folders. `--dist worksteal`: each worker starts on one contiguous half of
-# the suite (a module's shared server or import is built once, not once per worker) and an
-# idle worker takes half of the other's queue. Measured times: docs/BENCHMARKS.md.
-OTHER_BF16 = $$($(PY) -c 'from app.runtime.device import cpu_has_fast_bf16 as f; print(int(not f()))')
+# The whole suite once. The tests whose run reads the bf16 candidate order (marked
+# `bf16_order`; a test that reads it unmarked fails, tests/order.py) run twice in it, in this
+# machine's order and in the other (VAE_CPU_FAST_BF16, app/runtime/modes.py): on any machine
+# every order-dependent outcome is checked in both orders. Two test processes at a time
+# (pytest-xdist): the tests pick free ports and temporary folders. `--dist worksteal`: each
+# worker starts on one contiguous half of the suite (a module's shared server or import is
+# built once, not once per worker) and an idle worker takes half of the other's queue.
+# Measured times: docs/BENCHMARKS.md.
 TEST_WORKERS ?= 2
 PYTEST_XDIST = -n $(TEST_WORKERS) --dist worksteal
 
 test: $(STAMP)
 	$(PY) -m ruff check app tests bench scripts clients/python
 	$(PY) -m pytest -q $(PYTEST_XDIST)
-	VAE_CPU_FAST_BF16=$(OTHER_BF16) $(PY) -m pytest -q $(PYTEST_XDIST) -m bf16_order
 
 lint: $(STAMP)
 	$(PY) -m ruff check app tests bench scripts clients/python

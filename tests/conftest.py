@@ -70,6 +70,26 @@ def _count_order_consults() -> Iterator[None]:
     modes.cpu_has_fast_bf16 = read
 
 
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``bf16_order`` runs twice in the one session: in the candidate order the
+    environment gives (this CPU's, unless VAE_CPU_FAST_BF16 is set) and in the other."""
+    mark = metafunc.definition.get_closest_marker(order.MARK)
+    if mark and not mark.kwargs.get("set_by_test"):  # a test that sets it runs each itself
+        metafunc.fixturenames.append("bf16_candidate_order")
+        metafunc.parametrize("bf16_candidate_order", order.ORDERS, indirect=True)
+
+
+@pytest.fixture
+def bf16_candidate_order(request: pytest.FixtureRequest, monkeypatch) -> str:
+    """``swapped``: VAE_CPU_FAST_BF16 set to the opposite of what the process reads now (the
+    servers a test starts inherit it). Read unpatched: asking is not the test's consult."""
+    from app.runtime.device import cpu_has_fast_bf16
+
+    if request.param == "swapped":
+        monkeypatch.setenv("VAE_CPU_FAST_BF16", str(int(not cpu_has_fast_bf16())))
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _order_mark_is_complete(request: pytest.FixtureRequest) -> Iterator[None]:
     """A test whose run read the candidate order runs in both orders: its module is marked."""
@@ -79,7 +99,7 @@ def _order_mark_is_complete(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(
             f"{request.node.nodeid} read the bf16 candidate order (VAE_DTYPE=auto on a CPU), "
             f"so its outcome may depend on it: mark its module `pytestmark = "
-            f"pytest.mark.{order.MARK}` (make test runs those in both orders)"
+            f"pytest.mark.{order.MARK}` (those run in both orders)"
         )
 
 

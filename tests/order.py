@@ -1,12 +1,15 @@
 """Which tests consult the bf16 candidate order (``app.runtime.modes.candidate_modes`` asks
 ``cpu_has_fast_bf16`` when ``VAE_DTYPE=auto`` on a CPU): only those can change outcome
-between the two orders, so ``make test`` runs only them a second time, in the other order
-(``VAE_CPU_FAST_BF16``). ``tests/conftest.py`` fails a test that consulted it without the
-``bf16_order`` mark on its module, so the mark stays complete."""
+between the two orders, so only they run twice, in the order this machine reads and in the
+other (``VAE_CPU_FAST_BF16``; ``tests/conftest.py`` parametrizes every test marked
+``bf16_order``). ``tests/conftest.py`` fails a test that consulted the order without the
+mark, so the mark stays complete. A test that sets ``VAE_CPU_FAST_BF16`` itself (each order
+its own case) is marked ``bf16_order(set_by_test=True)``: it runs once."""
 
 from __future__ import annotations
 
 MARK = "bf16_order"
+ORDERS = ["native", "swapped"]  # the environment's order, then the other
 consults = 0  # in this process, and in the servers it started with VAE_DTYPE=auto
 
 

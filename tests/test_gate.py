@@ -155,7 +155,7 @@ def test_every_family_builds_a_bf16_copy_that_passes_every_gate_check(key, name)
     assert report.passed(0.9999) and report.cosine < 1.0, report.describe()
 
 
-@pytest.mark.bf16_order
+@pytest.mark.bf16_order(set_by_test=True)
 @pytest.mark.parametrize("native_bf16", ["1", "0"])
 def test_auto_orders_bf16_first_only_on_a_cpu_with_native_bf16(
     flux_store, monkeypatch, native_bf16

@@ -225,7 +225,7 @@ def test_repeats_are_taken_in_turns_and_keep_each_best():
     assert selection.ranked(candidates)[0].name == "a"
 
 
-@pytest.mark.bf16_order
+@pytest.mark.bf16_order(set_by_test=True)
 @pytest.mark.parametrize("native_bf16", ["1", "0"])
 def test_cpu_flags_only_order_the_candidates(sleepy, monkeypatch, native_bf16):
     """All four equally slow (within the tie margin): the first in the order wins, and the
@@ -239,7 +239,7 @@ def test_cpu_flags_only_order_the_candidates(sleepy, monkeypatch, native_bf16):
     assert order[0] == first and mode == first, described["candidates"]
 
 
-@pytest.mark.bf16_order
+@pytest.mark.bf16_order(set_by_test=True)
 def test_a_slower_mode_is_not_served_because_of_the_cpu_flags(sleepy, monkeypatch):
     monkeypatch.setenv("VAE_CPU_FAST_BF16", "1")  # bf16 first in the order, but measured slower
     store = sleepy(["bfloat16", "bfloat16 exact", "float32 exact"])
