@@ -164,7 +164,8 @@ def test_bake_is_deterministic(tmp_path):
 
 def test_bad_entries_are_named(tmp_path, checkpoints):
     root, _ = checkpoints
-    _app("import", "flux", str(root / "ae.safetensors"), "--name", "good", store=tmp_path)
+    good = ["--name", "good", "--no-references"]
+    _app("import", "flux", str(root / "ae.safetensors"), *good, store=tmp_path)
     (tmp_path / "good" / "decoder.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(StoreError, match="good"):
         load_model(tmp_path, "good")

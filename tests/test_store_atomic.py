@@ -248,7 +248,7 @@ def test_a_config_that_does_not_fit_the_weights_is_refused_before_building(
     assert float(seconds) < 5 and int(grown_mb) < 100, timing  # the real build: GBs, seconds
 
 
-BAKE_ONE = ["bake", "--synthetic", "--only", "minimax-h3-tiny"]
+BAKE_ONE = ["bake", "--synthetic", "--only", "minimax-h3-tiny", "--no-references"]
 
 
 def _bake(store: Path, pause: str = "") -> subprocess.Popen:
