@@ -91,7 +91,7 @@ def store(tmp_path_factory) -> Path:
     )
     if (TAEF2 / "taef2_encoder.pth").exists():
         imports = [("taesd", TAEF2, "taef2"), ("taesd", TAEF2 / "taef2_decoder.pth", "taef2-dec")]
-        cli_import(store, *imports)
+        cli_import(store, *imports, references=False)  # served float32 exact: none gated
     return store
 
 
