@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 TOOLS = {
     "all": "bench.table",
@@ -32,11 +33,16 @@ def benches() -> dict[str, str]:
     return {**TOOLS, **rows}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="python -m bench")
     sub = parser.add_subparsers(dest="command", required=True)
+    known = benches()
+    # a command imports its own module only (each imports its peer, diffusers: seconds);
+    # anything else (--help, a typo) lists them all
+    chosen = {argv[0]: known[argv[0]]} if argv and argv[0] in known else known
     modules = {}
-    for name, path in benches().items():
+    for name, path in chosen.items():
         try:
             modules[name] = importlib.import_module(path)
         except ModuleNotFoundError as exc:  # the peer (diffusers) is a test extra: skip only that
@@ -46,7 +52,7 @@ def main() -> None:
         modules[name].add_arguments(
             sub.add_parser(name, help=modules[name].__doc__.splitlines()[0])
         )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     modules[args.command].run(args)
 
 

@@ -61,13 +61,14 @@ from app.telemetry.timing import PhaseTimer  # noqa: E402
 from bench import common  # noqa: E402
 
 # the quick run's image model: the same tiny FLUX as tests/live.py's "flux-tiny" (scripts
-# import nothing from tests/)
+# import nothing from tests/), its row bands of 1 MiB as there (a cheap tiled probe)
 TINY_FLUX = {
     "flux-tiny": {
         "latent_channels": 16,
         "block_out_channels": [16, 32, 32, 32],
         "layers_per_block": 1,
         "norm_num_groups": 8,
+        "band_mb": 1,
     }
 }
 

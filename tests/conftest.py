@@ -7,9 +7,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests import order
+# Idle OpenMP threads sleep rather than spin (read when torch loads: before its import here,
+# and inherited by the xdist workers and every process a test starts). The suite runs a
+# process per core plus one, each with two torch threads: spinning ones took the cores from
+# the processes with work (docs/BENCHMARKS.md, "`make test`").
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from tests import order  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

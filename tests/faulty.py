@@ -27,7 +27,6 @@ HOLD's gates are files in ``$FAULTY_GATE_DIR``, so a server process started by t
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,7 +44,7 @@ import app.families
 from app.families.decoder import VAEDecoder
 from app.families.descriptor import Family, Part
 from app.store import write_model
-from tests import order
+from tests import launch, order
 from tests.live import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -232,7 +231,7 @@ def decoded_tags() -> list[float]:
 @contextmanager
 def serve_process(
     store: Path, log: Path, faulty_family: bool = False, root: Path = ROOT, **env: str
-) -> Iterator[tuple[str, subprocess.Popen]]:
+) -> Iterator[tuple[str, launch.Process]]:
     """``python -m app serve`` on a loopback port, one torch thread; yields (url, process)
     once /readyz answers 200. Its output goes to ``log`` (a pipe could fill and block it).
     ``faulty_family``: the same CLI with the ``faulty`` family known (tests/faulty_serve.py);
@@ -251,7 +250,7 @@ def serve_process(
     module = "tests.faulty_serve" if faulty_family else "app"
     cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
-        proc = subprocess.Popen(
+        proc = launch.popen(
             [*cmd, "--models-dir", str(store)], cwd=root, env=environ, stdout=out, stderr=out
         )
     url = f"http://127.0.0.1:{port}"
@@ -264,7 +263,7 @@ def serve_process(
             proc.wait(10)
 
 
-def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+def _wait_ready(url: str, proc: launch.Process, log: Path, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

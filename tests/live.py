@@ -22,17 +22,23 @@ from app.config import Settings
 from app.families import family
 from app.http import create_app
 from app.store import write_model
+from tests import launch
 
 # the project root, where `python -m app` runs (not from tests.conftest: live.py is also
 # imported outside pytest, by the faulty server's subprocesses)
 ROOT = Path(__file__).resolve().parents[1]
 
+# ``band_mb``: row bands of 1 MiB (the entry's own, app/families/flux/decoder/decode.py): a band
+# of the default 32 MiB at these widths is a 724-pixel square, and the gate's tiled probe (two
+# bands) would cost ten times the plain one; at 1 MiB it is the plain probe's 256 pixels in
+# four bands
 TINY_FLUX = {
     "flux-tiny": {
         "latent_channels": 16,
         "block_out_channels": [16, 32, 32, 32],
         "layers_per_block": 1,
         "norm_num_groups": 8,
+        "band_mb": 1,
     },
     "sd-tiny": {
         "latent_channels": 4,
@@ -42,6 +48,7 @@ TINY_FLUX = {
         "use_post_quant_conv": True,
         "scaling_factor": 0.18215,
         "shift_factor": None,
+        "band_mb": 1,
     },
     "flux2-tiny": {
         "latent_channels": 32,
@@ -50,6 +57,7 @@ TINY_FLUX = {
         "norm_num_groups": 8,
         "use_post_quant_conv": True,
         "latent_bn": True,
+        "band_mb": 1,
     },
 }
 
@@ -105,7 +113,7 @@ def cli_import(store: Path, *models: tuple[str, Path, str], references: bool = T
         command += ["--name", name, "--models-dir", str(store)]
         command += [] if references else ["--no-references"]
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-        runs.append(subprocess.Popen(command, cwd=ROOT, text=True, **pipes))
+        runs.append(launch.popen(command, cwd=ROOT, text=True, **pipes))
     outputs = []
     for run in runs:
         out, err = run.communicate(timeout=300)

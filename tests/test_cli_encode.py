@@ -4,7 +4,6 @@ through a running service (skips until the ``/encode`` route is merged)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +26,7 @@ from app.families.taesd import encoder as taesd
 from app.families.wan import decoder as wan_decoder
 from app.families.wan import encoder as wan
 from app.store import write_model
+from tests import launch
 from tests.conftest import ROOT
 from tests.live import TINY_FLUX, bake, live_server
 
@@ -82,7 +82,8 @@ def store(tmp_path_factory) -> Path:
     if (TAEF2 / "taef2_encoder.pth").exists():
         cmd = [sys.executable, "-m", "app", "import", "taesd", str(TAEF2), "--name", "taef2"]
         cmd += ["--models-dir", str(root)]
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)
+        done = launch.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
     return root
 
 

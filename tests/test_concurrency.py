@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -19,7 +18,7 @@ import yaml
 from pydantic import ValidationError
 
 from app.config import CLOUD_RUN_REQUEST_MB, Settings
-from tests import faulty
+from tests import faulty, launch
 from tests.helpers import metric, raw_request, read_response
 from tests.mp4_client import video_latent
 
@@ -109,7 +108,7 @@ def test_values_from_the_environment_count_as_explicit(monkeypatch):
 def test_serve_refuses_an_inconsistent_set_in_one_line(tmp_path):
     env = {**os.environ, "VAE_CONCURRENCY": "16", "VAE_STREAMS_MAX": "8",
            "VAE_API_TOKENS": "do-not-print-me", "VAE_LOG_FORMAT": "text"}  # fmt: skip
-    run = subprocess.run(
+    run = launch.run(
         [sys.executable, "-m", "app", "serve", "--models-dir", str(tmp_path)],
         cwd=faulty.ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -13,7 +13,6 @@ import io
 import json
 import math
 import struct
-import subprocess
 import sys
 import tempfile
 import zlib
@@ -28,6 +27,7 @@ from PIL import Image
 from app.families import family
 from app.families.ops import cosine
 from app.store import load_encoder, read_manifest, write_model
+from tests import launch
 from tests.conftest import SHARED, shared_path
 from tests.live import ROOT, cli_import, live_server
 
@@ -360,7 +360,7 @@ def test_bake_writes_synthetic_encoders(tmp_path):
     names = ["wan2.1-tiny", "minimax-h3-image-tiny"]
     command = [sys.executable, "-m", "app", "bake", "--synthetic", "--only", *names]
     command += ["--no-references"]  # the parts are the point (references: test_startup.py)
-    run = subprocess.run(
+    run = launch.run(
         [*command, "--models-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr

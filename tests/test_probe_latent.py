@@ -80,3 +80,23 @@ def test_tiled_probe_decodes_in_several_tiles(monkeypatch, key) -> None:
         monkeypatch.undo()
         if key != "flux":  # FLUX's plain probe may span bands too: nothing to compare
             assert tiles_decoded(monkeypatch, key, decoder, plain) <= 1
+
+
+def test_an_entrys_own_band_sizes_the_served_bands_and_the_probe(monkeypatch) -> None:
+    """FLUX's ``band_mb`` (an entry's config): the served copy's bands and the tiled probe are
+    both of that size, so the gate still checks the geometry served."""
+    from app.families.flux.decoder import decode
+    from tests.live import TINY_FLUX
+
+    config = TINY_FLUX["flux-tiny"]
+    decoder = on_meta("flux", config)
+    assert decoder.band_bytes == config["band_mb"] << 20
+    default = on_meta("flux", {k: v for k, v in config.items() if k != "band_mb"})
+    for device in ("cpu", "cuda"):
+        assert decode.band_bytes_for(torch.device(device), config) == config["band_mb"] << 20
+        served = decode.band_bytes_for(torch.device(device), default.config)
+        assert served == decode.BAND_BYTES[device]
+    tiled = decoder.probe_latent(torch.Generator().manual_seed(0), tiled=True)
+    assert tiled.numel() < default.probe_latent(torch.Generator(), tiled=True).numel()
+    with torch.inference_mode():
+        assert tiles_decoded(monkeypatch, "flux", decoder, tiled.to("meta")) > 1

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -26,7 +25,7 @@ from app.runtime.scheduler import Scheduler
 from app.telemetry import timing
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
-from tests import faulty
+from tests import faulty, launch
 from tests.live import live_server
 from tests.mp4_client import ffmpeg_children
 
@@ -214,7 +213,7 @@ def test_a_sticky_device_error_makes_the_server_exit(store, tmp_path):
     env = {"VAE_DEVICE": "cpu", "VAE_DTYPE": "bfloat16", "VAE_DRAIN_GRACE_S": "2"}
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen(
+        proc = launch.popen(
             cmd, cwd=faulty.ROOT, env={**faulty.os.environ, **env}, stdout=out, stderr=out
         )
     try:

@@ -24,6 +24,7 @@ from app.runtime import Runtime, compiled, gate, references, selection
 from app.store import entry_dir, load_model
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
+from tests import launch
 from tests.live import TINY_FLUX, bake, live_server, post
 
 REFERENCE = references.REFERENCE_FILE
@@ -129,12 +130,11 @@ def test_a_tampered_reference_fails_closed(store, caplog):
 
 
 def test_bake_stores_the_reference(tmp_path):
-    import subprocess
     import sys
 
     from tests.live import ROOT
 
-    run = subprocess.run(
+    run = launch.run(
         [sys.executable, "-m", "app", "bake", "--synthetic", "--models-dir", str(tmp_path),
          "--only", "ltx2-tiny"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -16,6 +16,7 @@ from diffusers import AutoencoderKL
 from safetensors.torch import save_file
 
 from app.store import StoreError, check_name, load_model, sha256_file
+from tests import launch
 from tests.conftest import ROOT
 
 # 32 groups: BFL's code hard-codes them, so a single file cannot say otherwise
@@ -74,7 +75,7 @@ def checkpoints(tmp_path_factory):
 
 
 def _app(*args: str, store) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return launch.run(
         [sys.executable, "-m", "app", *args, "--models-dir", str(store)],
         cwd=ROOT,
         capture_output=True,
@@ -147,7 +148,7 @@ def test_bake_is_deterministic(tmp_path):
     bake += ["--only", "flux1-synthetic"]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     runs = [
-        subprocess.Popen([*bake, "--models-dir", str(tmp_path / s)], cwd=ROOT, **pipes)
+        launch.popen([*bake, "--models-dir", str(tmp_path / s)], cwd=ROOT, **pipes)
         for s in ("a", "b")
     ]
     for run in runs:
@@ -217,7 +218,7 @@ def test_a_store_baked_by_root_loads_as_an_unprivileged_user():
             for path in [Path(folder) / d for d in dirs] + [Path(folder) / f for f in files]:
                 need = 0o555 if path.is_dir() and not path.is_symlink() else 0o444
                 assert path.is_symlink() or path.stat().st_mode & need == need, path
-        done = subprocess.run([sys.executable, "-c", UNPRIVILEGED_LOADER, str(store)], cwd=ROOT,
+        done = launch.run([sys.executable, "-c", UNPRIVILEGED_LOADER, str(store)], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr
         loaded = json.loads(done.stdout.strip().splitlines()[-1])

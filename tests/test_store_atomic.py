@@ -33,7 +33,7 @@ from app.store import (
     verify_entry,
     write_model,
 )
-from tests import store_encoder
+from tests import launch, store_encoder
 from tests.conftest import ROOT
 from tests.live import live_server
 from tests.test_store import CFG
@@ -66,12 +66,12 @@ def _start(store: Path, source: Path, pause: str | None = None, log: Path | None
     args = [sys.executable, "-m", "app", "import", "flux", str(source), "--name", "m"]
     args += ["--no-references"]  # the entry's writes are under test, not the gate's decodes
     err = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115 (the child holds it)
-    return subprocess.Popen(
+    return launch.popen(
         [*args, "--models-dir", str(store)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err
     )
 
 
-def _wait_stopped(proc: subprocess.Popen, timeout: float = 180) -> None:
+def _wait_stopped(proc: launch.Process, timeout: float = 180) -> None:
     """Until the writer has stopped itself (state T in /proc); fails if it exits instead."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -192,7 +192,7 @@ def test_an_edited_config_is_refused_at_startup(sources, tmp_path):
         load_model(store, "m")
     latent = tmp_path / "z.npy"
     np.save(latent, np.zeros((1, 16, 4, 4), np.float32))
-    done = subprocess.run(
+    done = launch.run(
         [sys.executable, "-m", "app", "decode", str(latent), "--model", "m", "-o",
          str(tmp_path / "out.png"), "--models-dir", str(store), "-q"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -237,7 +237,7 @@ def test_a_config_that_does_not_fit_the_weights_is_refused_before_building(
     del manifest["integrity"]
     manifest["config"][key] = value
     path.write_text(json.dumps(manifest))
-    done = subprocess.run([sys.executable, "-c", OVERSIZED_LOADER, str(store)], cwd=ROOT,
+    done = launch.run([sys.executable, "-c", OVERSIZED_LOADER, str(store)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     timing, message = done.stdout.strip().splitlines()[-2:]
@@ -251,8 +251,8 @@ def test_a_config_that_does_not_fit_the_weights_is_refused_before_building(
 BAKE_ONE = ["bake", "--synthetic", "--only", "minimax-h3-tiny", "--no-references"]
 
 
-def _bake(store: Path, pause: str = "") -> subprocess.Popen:
-    return subprocess.Popen(
+def _bake(store: Path, pause: str = "") -> launch.Process:
+    return launch.popen(
         [sys.executable, "-m", "app", *BAKE_ONE, "--models-dir", str(store)], cwd=ROOT,
         env={**os.environ, PAUSE_ENV: pause}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
@@ -331,7 +331,7 @@ def test_a_write_killed_after_its_encoder_leaves_the_old_entry(sources, tmp_path
     save_file(_encoder_state(1), str(new_encoder))
     args = [sys.executable, "-c", ENCODER_WRITER, str(store), str(sources["b"]["path"]),
             str(new_encoder)]  # fmt: skip
-    proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, PAUSE_ENV: "encoder"})
+    proc = launch.popen(args, cwd=ROOT, env={**os.environ, PAUSE_ENV: "encoder"})
     _wait_stopped(proc)
     proc.kill()
     proc.wait(30)

@@ -74,11 +74,14 @@ def fresh_venv(tmp_path_factory) -> Path:
     source = root / "client"
     shutil.copytree(CLIENT_SOURCE, source, ignore=shutil.ignore_patterns("tests", "*.egg-info",
                     "build", "__pycache__", ".*"))  # fmt: skip
-    subprocess.run([sys.executable, "-m", "venv", root / "venv"], check=True, timeout=300)
+    # without a pip of its own (bootstrapping one is most of a venv's making): this venv's
+    # pip installs into it (`--python`), as a user's pip installs into their sampler's env
+    venv = [sys.executable, "-m", "venv", "--without-pip", root / "venv"]
+    subprocess.run(venv, check=True, timeout=300)
     python = root / "venv" / "bin" / "python"
     started = time.monotonic()
     pip = subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", source],
+        [*_pip(python), "install", "--quiet", source],
         capture_output=True, text=True, timeout=900, env=_clean_env(),
     )  # fmt: skip
     if pip.returncode != 0:
@@ -90,6 +93,11 @@ def fresh_venv(tmp_path_factory) -> Path:
     return python
 
 
+def _pip(python: Path) -> list[str]:
+    """pip (this venv's) acting on the environment of ``python``."""
+    return [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check"]
+
+
 def _clean_env() -> dict[str, str]:
     """This environment without anything that would let the fresh venv see this repository."""
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -97,7 +105,7 @@ def _clean_env() -> dict[str, str]:
 
 def test_install_brings_no_torch(fresh_venv):
     listed = subprocess.run(
-        [fresh_venv, "-m", "pip", "list", "--format=json", "--disable-pip-version-check"],
+        [*_pip(fresh_venv), "list", "--format=json"],
         capture_output=True, text=True, check=True, timeout=120, env=_clean_env(),
     )  # fmt: skip
     installed = {d["name"].lower(): d["version"] for d in json.loads(listed.stdout)}

@@ -31,7 +31,10 @@ BAND_BYTES = {"cpu": fast.ROW_BAND_BYTES, "cuda": fast.ROW_BAND_BYTES}
 GPU_BAND_BYTES_CANDIDATES = (32 << 20, 128 << 20, 512 << 20)
 
 
-def band_bytes_for(device: torch.device) -> int:
+def band_bytes_for(device: torch.device, config: dict[str, Any] | None = None) -> int:
+    """An entry's own ``band_mb`` (its config) where it sets one, else the device's band."""
+    if config and config.get("band_mb"):
+        return int(config["band_mb"] * 2**20)
     return BAND_BYTES.get(device.type, fast.ROW_BAND_BYTES)
 
 
@@ -46,7 +49,7 @@ class Decoder(Architecture, VAEDecoder):
         # Row bands by default (tiled=None) only once ``optimize`` turns them on, and only for
         # outputs of at least band_min_pixels; band_bytes sizes a band whenever bands run.
         self.bands_by_default = False
-        self.band_bytes = fast.ROW_BAND_BYTES
+        self.band_bytes = band_bytes_for(torch.device("cpu"), self.config)
         self.band_min_pixels = BAND_MIN_PIXELS
 
     # --- geometry -------------------------------------------------------
@@ -88,11 +91,11 @@ class Decoder(Architecture, VAEDecoder):
 
     def probe_latent(self, generator: torch.Generator, tiled: bool = False) -> Tensor:
         """Tiled: large enough that the full-resolution layers take two or more row bands
-        of ``fast.ROW_BAND_BYTES`` (float32 temporaries of a band)."""
+        of ``band_bytes`` (float32 temporaries of a band)."""
         if not tiled:
             return super().probe_latent(generator)
         width = list(self.config["block_out_channels"])[0]
-        side = math.isqrt(fast.ROW_BAND_BYTES // (4 * width))  # pixels of one band's square
+        side = math.isqrt(self.band_bytes // (4 * width))  # pixels of one band's square
         cells = max(side // self.spatial_scale + 2, 256 // self.spatial_scale)
         return torch.randn((1, self.latent_channels, cells, cells), generator=generator)
 
@@ -107,5 +110,5 @@ class Decoder(Architecture, VAEDecoder):
 
     def optimize(self) -> None:
         fast.optimize(self)
-        self.band_bytes = band_bytes_for(self.conv_in.weight.device)
+        self.band_bytes = band_bytes_for(self.conv_in.weight.device, self.config)
         self.bands_by_default = True
