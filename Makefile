@@ -32,13 +32,13 @@ serve: $(STAMP)
 # The whole suite once. The tests whose run reads the bf16 candidate order (marked
 # `bf16_order`; a test that reads it unmarked fails, tests/order.py) run twice in it, in this
 # machine's order and in the other (VAE_CPU_FAST_BF16, app/runtime/modes.py): on any machine
-# every order-dependent outcome is checked in both orders. One test process per core plus one
-# (pytest-xdist; about a third of the suite waits on servers, readers and sleeps, so a third
-# process fills two cores): the tests pick free ports and temporary folders. `--dist
+# every order-dependent outcome is checked in both orders. One test process per core plus two
+# (pytest-xdist; the suite spends about half its time waiting on servers, readers and sleeps,
+# so two more processes fill the cores): the tests pick free ports and temporary folders. `--dist
 # worksteal`: each worker starts on one contiguous part of the suite (a module's shared server
 # or import is built once, not once per worker) and an idle worker takes half of another's
 # queue. Measured times: docs/BENCHMARKS.md.
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 2 )))
 PYTEST_XDIST = -n $(TEST_WORKERS) --dist worksteal
 
 test: $(STAMP)
