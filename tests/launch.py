@@ -16,6 +16,7 @@ as a user types it (tests/test_cli_*.py, the image build script, the client's in
 
 from __future__ import annotations
 
+import io
 import logging
 import multiprocessing
 import os
@@ -149,8 +150,11 @@ class Launched:
         return self._open("stderr")
 
     def _open(self, name: str) -> IO | None:
-        path = self._piped.get(name)
-        return None if path is None else path.open("r" if self.text else "rb")
+        """The output so far, as a stream (no file left open)."""
+        data = self._read(name)
+        if data is None:
+            return None
+        return io.StringIO(data) if isinstance(data, str) else io.BytesIO(data)
 
     def __del__(self) -> None:
         for path in self._piped.values():
