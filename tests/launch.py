@@ -16,8 +16,8 @@ as a user types it (tests/test_cli_*.py, the image build script, the client's in
 
 from __future__ import annotations
 
+import atexit
 import io
-import logging
 import multiprocessing
 import os
 import runpy
@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import IO, Any
 
@@ -77,7 +78,11 @@ def _child(cmd: list[str], env: dict[str, str], out: str | None, err: str | None
             sys.argv = ["-c", *args]
             exec(compile(what, "<string>", "exec"), {"__name__": "__main__"})
     finally:
-        logging.shutdown()
+        # what the interpreter does at its exit (multiprocessing's child would `os._exit` at
+        # once): wait for the threads that are not daemons, then run the exit functions
+        # (logging's flush among them); a server that would hang there hangs here too
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
 

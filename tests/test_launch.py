@@ -57,3 +57,19 @@ def test_what_cannot_be_forked_starts_fresh(tmp_path):
     other_path = launch.popen([sys.executable, "-c", "pass"], env={**os.environ, "PYTHONPATH": "x"})
     for proc in (other_folder, other_path):
         assert isinstance(proc, subprocess.Popen) and proc.wait(60) == 0
+
+
+EXITS = """
+import atexit, threading, time
+atexit.register(print, "exit function", flush=True)
+threading.Thread(target=lambda: (time.sleep(0.5), print("thread", flush=True))).start()
+print("main", flush=True)
+"""
+
+
+def test_a_forked_command_exits_as_the_interpreter_does():
+    """The threads that are not daemons end first, then the exit functions run: a command that
+    would hang at its exit hangs here too."""
+    done = launch.run([sys.executable, "-c", EXITS], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["main", "thread", "exit function"], done.stdout
