@@ -29,8 +29,9 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
+from app.families import PACKAGES  # the package names only: no torch
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("flux", "hunyuan_video", "ltx", "minimax_h3", "taesd", "wan")  # app.families'
 # what the server imports once (nothing that reads this test run's state: tests.faulty makes
 # its gate folder at import, so each child imports it)
 PRELOAD = ["torch", "safetensors.torch", "app.cli", "app.http", "app.store", "requests"]
@@ -184,16 +185,12 @@ def popen(
 
 
 def run(
-    cmd: list[str],
-    cwd: Path | str | None = ROOT,
-    env: dict[str, str] | None = None,
-    capture_output: bool = False,
-    text: bool = False,
-    timeout: float | None = None,
+    cmd: list[str], capture_output: bool = False, timeout: float | None = None, **options: Any
 ) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, ...)``, forked from the preloaded server where it can be."""
+    """``subprocess.run(cmd, ...)``, forked from the preloaded server where it can be;
+    ``options``: ``popen``'s."""
     pipe = subprocess.PIPE if capture_output else None
-    proc = popen(cmd, cwd=cwd, env=env, stdout=pipe, stderr=pipe, text=text)
+    proc = popen(cmd, stdout=pipe, stderr=pipe, **options)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
