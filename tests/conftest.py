@@ -32,6 +32,23 @@ def shared_path(*parts: str) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _bf16_kernels(request: pytest.FixtureRequest) -> None:
+    """A test marked ``bf16_kernels`` computes in bf16 on the CPU: where bf16 is emulated
+    (measured: ``app.runtime.device.cpu_bf16_slowdown``) it would take minutes, for a path
+    the service does not serve there (``auto`` measures float32 only), so it skips."""
+    if request.node.get_closest_marker("bf16_kernels") is None:
+        return
+    from app.runtime.device import BF16_EMULATED, cpu_bf16_slowdown
+
+    slowdown = cpu_bf16_slowdown()
+    if slowdown > BF16_EMULATED:
+        pytest.skip(
+            f"bf16 is emulated on this CPU (a bf16 convolution takes {slowdown:.0f}x float32's "
+            f"time): this bf16 computation runs on CPUs with bf16 kernels"
+        )
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One torch thread for a module of tiny decodes (``usefixtures``): thread wake-ups, not
@@ -79,22 +96,24 @@ def _count_order_consults() -> Iterator[None]:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test marked ``bf16_order`` runs twice in the one session: in the candidate order the
-    environment gives (this CPU's, unless VAE_CPU_FAST_BF16 is set) and in the other."""
+    environment gives (this CPU's, unless VAE_CPU_FAST_BF16 is set) and in the other (the
+    parameter ``bf16_candidate_order``, applied by ``_bf16_candidate_order``)."""
     mark = metafunc.definition.get_closest_marker(order.MARK)
     if mark and not mark.kwargs.get("set_by_test"):  # a test that sets it runs each itself
-        metafunc.fixturenames.append("bf16_candidate_order")
-        metafunc.parametrize("bf16_candidate_order", order.ORDERS, indirect=True)
+        metafunc.fixturenames.append(order.PARAM)
+        metafunc.parametrize(order.PARAM, order.ORDERS)
 
 
-@pytest.fixture
-def bf16_candidate_order(request: pytest.FixtureRequest, monkeypatch) -> str:
+@pytest.fixture(autouse=True)
+def _bf16_candidate_order(request: pytest.FixtureRequest, monkeypatch) -> None:
     """``swapped``: VAE_CPU_FAST_BF16 set to the opposite of what the process reads now (the
     servers a test starts inherit it). Read unpatched: asking is not the test's consult."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is None or callspec.params.get(order.PARAM) != "swapped":
+        return
     from app.runtime.device import cpu_has_fast_bf16
 
-    if request.param == "swapped":
-        monkeypatch.setenv("VAE_CPU_FAST_BF16", str(int(not cpu_has_fast_bf16())))
-    return request.param
+    monkeypatch.setenv("VAE_CPU_FAST_BF16", str(int(not cpu_has_fast_bf16())))
 
 
 @pytest.fixture(autouse=True)

@@ -230,12 +230,18 @@ def decoded_tags() -> list[float]:
 
 @contextmanager
 def serve_process(
-    store: Path, log: Path, faulty_family: bool = False, root: Path = ROOT, **env: str
+    store: Path,
+    log: Path,
+    faulty_family: bool = False,
+    root: Path = ROOT,
+    fork: bool = True,
+    **env: str,
 ) -> Iterator[tuple[str, launch.Process]]:
     """``python -m app serve`` on a loopback port, one torch thread; yields (url, process)
     once /readyz answers 200. Its output goes to ``log`` (a pipe could fill and block it).
     ``faulty_family``: the same CLI with the ``faulty`` family known (tests/faulty_serve.py);
-    ``root``: the checkout whose ``app`` serves (a test's modified copy)."""
+    ``root``: the checkout whose ``app`` serves (a test's modified copy); ``fork``: False
+    starts a fresh interpreter (tests/launch.py)."""
     port = free_port()
     environ = {
         **os.environ,
@@ -251,7 +257,12 @@ def serve_process(
     cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
         proc = launch.popen(
-            [*cmd, "--models-dir", str(store)], cwd=root, env=environ, stdout=out, stderr=out
+            [*cmd, "--models-dir", str(store)],
+            cwd=root,
+            env=environ,
+            stdout=out,
+            stderr=out,
+            fork=fork,
         )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -11,7 +11,9 @@ command. Only the imports are done already.
 
 Anything else (another interpreter, another checkout on PYTHONPATH, another working folder, a
 ``preexec_fn``) starts as a fresh ``subprocess.Popen``; so do the tests of the command line
-as a user types it (tests/test_cli_*.py, the image build script, the client's install).
+as a user types it (tests/test_cli_*.py, the image build script, the client's install) and
+a test that measures the process's memory (``fork=False``: a forked child shares pages with
+the server it was forked from).
 """
 
 from __future__ import annotations
@@ -177,9 +179,11 @@ def popen(
     stdout: Any = None,
     stderr: Any = None,
     text: bool = False,
+    fork: bool = True,
 ) -> Process:
-    """``subprocess.Popen(cmd, ...)``, forked from the preloaded server where it can be."""
-    if _forkable(cmd, cwd, env):
+    """``subprocess.Popen(cmd, ...)``, forked from the preloaded server where it can be;
+    ``fork=False``: a fresh interpreter (a test of the process's own memory)."""
+    if fork and _forkable(cmd, cwd, env):
         return Launched(cmd, dict(os.environ if env is None else env), stdout, stderr, text)
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text)
 

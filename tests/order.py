@@ -9,6 +9,7 @@ its own case) is marked ``bf16_order(set_by_test=True)``: it runs once."""
 from __future__ import annotations
 
 MARK = "bf16_order"
+PARAM = "bf16_candidate_order"  # the parameter that says which order a marked test runs in
 ORDERS = ["native", "swapped"]  # the environment's order, then the other
 consults = 0  # in this process, and in the servers it started with VAE_DTYPE=auto
 

@@ -141,6 +141,7 @@ def test_fast_copy_keeps_latent_statistics_in_float32(tmp_path):
         ("minimax-h3", "minimax-h3-image-tiny"),
     ],
 )
+@pytest.mark.bf16_kernels
 def test_every_family_builds_a_bf16_copy_that_passes_every_gate_check(key, name):
     """The bf16 copy is what a GPU serves: each family must build and gate it (the first GPU
     run found MiniMax-H3's float32 final norm fed bf16 weights)."""

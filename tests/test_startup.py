@@ -20,7 +20,7 @@ from app.config import Settings
 from app.families import tiling
 from app.families.hunyuan_video import decoder as hunyuan_video
 from app.protocol.request import DecodeRequest, Output
-from app.runtime import Runtime, compiled, gate, references, selection
+from app.runtime import Runtime, compiled, gate, modes, references, selection
 from app.store import entry_dir, load_model
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
@@ -166,7 +166,11 @@ def tiled_family():
 
 
 @pytest.fixture
-def sleepy(tmp_path, sleepy_family):
+def sleepy(tmp_path, sleepy_family, monkeypatch):
+    # every candidate is measured, bf16 too where the CPU emulates it (the sleepy decoder
+    # computes in float32 whatever its dtype: its modes take the time the test gives them)
+    monkeypatch.setattr(modes, "cpu_offers_bf16", lambda: True)
+
     def make(slow_modes: list[str], sleep_s: float = 0.4):
         config = {**TINY_FLUX["flux-tiny"], "slow_modes": slow_modes, "sleep_s": sleep_s}
         bake(tmp_path, "sleepy-flux", "sleepy", config)
@@ -232,7 +236,7 @@ def test_cpu_flags_only_order_the_candidates(sleepy, monkeypatch, native_bf16):
     order is what ``VAE_CPU_FAST_BF16`` says."""
     monkeypatch.setenv("VAE_CPU_FAST_BF16", native_bf16)
     monkeypatch.setattr(selection, "TIE", 1.5)  # a loaded machine's decode jitter stays inside
-    store = sleepy(ALL, sleep_s=1.0)
+    store = sleepy(ALL, sleep_s=2.0)  # a first decode's own time, under load, stays inside the tie
     mode, described = _served_mode(store, gate_repeats=1)
     order = [c["mode"] for c in described["candidates"]]
     first = "bfloat16" if native_bf16 == "1" else "float32"

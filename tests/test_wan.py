@@ -330,6 +330,7 @@ def test_refuses_unknown_latent_width(tmp_path):
 
 # --- synthetic models --------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(wan.SYNTHETIC))
+@pytest.mark.bf16_kernels
 def test_synthetic_is_deterministic_and_gates_in_bf16(name):
     config = wan.SYNTHETIC[name]
     a, b = synthetic_twins(wan, config, seed=0)

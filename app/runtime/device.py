@@ -4,8 +4,10 @@ retry smaller; a sticky CUDA error: the instance must go)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import resource
+import time
 from pathlib import Path
 
 import torch
@@ -49,10 +51,10 @@ def prepare(device: torch.device, memory_cap_bytes: int = 0) -> None:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """bf16 GEMMs beat float32 only with native bf16 dot products (AVX512-BF16 or AMX);
-    without them (AVX2) oneDNN emulates bf16 and a decode is many times slower.
-    ``VAE_CPU_FAST_BF16=1|0`` overrides the detection (so the tests can take the branch
-    this CPU would not)."""
+    """bf16 GEMMs beat float32 only with native bf16 dot products (AVX512-BF16 or AMX): bf16
+    candidates first in ``auto``'s order where the flags say so (the order only breaks
+    near-ties of the measured times). ``VAE_CPU_FAST_BF16=1|0`` overrides the detection (so
+    the tests can take the branch this CPU would not)."""
     forced = setting("cpu_fast_bf16")
     if forced is not None:
         return forced
@@ -61,6 +63,54 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+# A bf16 convolution this many times slower than float32 is emulated: without oneDNN's bf16
+# kernels (AVX2-only CPUs) PyTorch falls back to a reference loop hundreds of times slower,
+# whose column buffers the memory estimates do not model.
+BF16_EMULATED = 4.0
+
+
+@functools.cache
+def cpu_bf16_slowdown() -> float:
+    """How many times longer a small convolution takes in bf16 than in float32 on this CPU,
+    measured once per process (well under a second even where bf16 is emulated)."""
+    conv = torch.nn.Conv2d(32, 32, 3, padding=1)
+    x = torch.randn(1, 32, 64, 64, generator=torch.Generator().manual_seed(0))
+    seconds = {}
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            layer, inp = conv.to(dtype), x.to(dtype)
+            layer(inp)  # the first call pays for the kernel's setup
+            runs = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                layer(inp)
+                runs.append(time.perf_counter() - t0)
+            seconds[dtype] = min(runs)
+    return seconds[torch.bfloat16] / max(seconds[torch.float32], 1e-9)
+
+
+def cpu_offers_bf16() -> bool:
+    """Whether ``auto`` measures bf16 candidates on the CPU: not where bf16 is emulated (it
+    could not win, and measuring it would take the cores for minutes), unless
+    ``VAE_CPU_FAST_BF16`` is set (then they are measured in the order it says)."""
+    if setting("cpu_fast_bf16") is not None:
+        return True
+    slowdown = cpu_bf16_slowdown()
+    if slowdown > BF16_EMULATED:
+        _log_emulated(slowdown)
+        return False
+    return True
+
+
+@functools.cache
+def _log_emulated(slowdown: float) -> None:
+    log.info(
+        "bf16 is emulated on this CPU (a bf16 convolution took %.0fx float32's time): "
+        "auto measures float32 candidates only",
+        slowdown,
+    )
 
 
 def memory_budget(device: torch.device, cap_bytes: int = 0) -> int | None:

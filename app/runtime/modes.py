@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from app.families import family
-from app.runtime.device import cpu_has_fast_bf16
+from app.runtime.device import cpu_has_fast_bf16, cpu_offers_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONV3D_LAYOUTS = {"NCDHW": torch.contiguous_format, "channels_last_3d": torch.channels_last_3d}
@@ -39,7 +39,8 @@ def candidate_modes(setting: str, device: torch.device) -> list[Mode]:
     that passes the gate). ``float32`` on the CPU is the exact path alone. ``auto``: on the CPU
     float32 exact, float32 fast (the family's ``optimize``: Winograd), bf16 and bf16 fast; on a
     GPU bf16 and float32 fast. The order only breaks near-ties: bf16 first where the CPU has
-    native bf16 dot products (or a GPU), else float32 first."""
+    native bf16 dot products (or a GPU), else float32 first. A CPU that emulates bf16
+    (measured: ``device.cpu_offers_bf16``) gets the float32 candidates only."""
     if setting == "float32" and device.type == "cpu":
         return [EXACT]
     if setting != "auto":
@@ -47,6 +48,8 @@ def candidate_modes(setting: str, device: torch.device) -> list[Mode]:
     bf16 = [Mode(torch.bfloat16)]
     float32 = [Mode(torch.float32)]
     if device.type == "cpu":
+        if not cpu_offers_bf16():
+            return [*float32, EXACT]
         bf16.append(Mode(torch.bfloat16, optimized=False))
         float32.append(EXACT)
     return bf16 + float32 if device.type == "cuda" or cpu_has_fast_bf16() else float32 + bf16
