@@ -48,10 +48,14 @@ def store(tmp_path):
 
 
 # --- gate references -------------------------------------------------------------------------
-def test_a_missing_reference_is_computed_written_and_then_used(store, monkeypatch):
+def test_a_missing_reference_is_computed_written_and_then_used(store, monkeypatch, caplog):
     assert not (entry_dir(store, "flux-tiny") / REFERENCE).exists()  # write_model alone
-    first = _runtime(store, "flux-tiny", dtype="bfloat16").models["flux-tiny"]
+    with caplog.at_level(logging.INFO, logger="app.runtime"):
+        first = _runtime(store, "flux-tiny", dtype="bfloat16").models["flux-tiny"]
     assert first.reference_status == "missing"
+    # the serving line says what was found and that it was made since, not "missing" alone
+    (serving,) = [r.getMessage() for r in caplog.records if ": serving " in r.getMessage()]
+    assert serving.endswith("gate reference missing at load, recomputed"), serving
     stored = load_file(str(entry_dir(store, "flux-tiny") / REFERENCE))
     expected = _fresh_expected(store, "flux-tiny")
     assert set(stored) == {"plain", "denormalized", "tiled"}

@@ -39,8 +39,9 @@ class _Entry:
     manifest: Manifest
     reference: nn.Module
     probes: gate.Probes
-    status: str  # the stored gate reference: valid, missing, stale, tampered
+    status: str  # the stored gate reference as loaded: valid, missing, stale, tampered
     state: ModelState
+    recomputed: bool = False  # the reference was computed again (and stored, if writable)
 
 
 class Registry:
@@ -195,6 +196,7 @@ class Registry:
                 references.recompute(
                     entry.folder, entry.manifest, entry.part, entry.probes, entry.status
                 )
+                entry.recomputed = True
             chosen = selection.choose(
                 _what(entry),
                 entry.probes,
@@ -228,7 +230,7 @@ class Registry:
             candidate.mode,
             self.device,
             chosen.why,
-            entry.status,
+            f"{entry.status} at load, recomputed" if entry.recomputed else entry.status,
         )
         return ServedPart(
             entry.name,
