@@ -39,13 +39,12 @@ def _bf16_kernels(request: pytest.FixtureRequest) -> None:
     the service does not serve there (``auto`` measures float32 only), so it skips."""
     if request.node.get_closest_marker("bf16_kernels") is None:
         return
-    from app.runtime.device import BF16_EMULATED, cpu_bf16_slowdown
+    from app.runtime.device import cpu_bf16_slowdown, cpu_emulates_bf16
 
-    slowdown = cpu_bf16_slowdown()
-    if slowdown > BF16_EMULATED:
+    if cpu_emulates_bf16():
         pytest.skip(
-            f"bf16 is emulated on this CPU (a bf16 convolution takes {slowdown:.0f}x float32's "
-            f"time): this bf16 computation runs on CPUs with bf16 kernels"
+            f"bf16 is emulated on this CPU (a bf16 convolution takes {cpu_bf16_slowdown():.0f}x "
+            f"float32's time): this bf16 computation runs on CPUs with bf16 kernels"
         )
 
 

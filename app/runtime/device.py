@@ -91,25 +91,30 @@ def cpu_bf16_slowdown() -> float:
     return seconds[torch.bfloat16] / max(seconds[torch.float32], 1e-9)
 
 
+def cpu_emulates_bf16() -> bool:
+    """A bf16 convolution measured over ``BF16_EMULATED`` times float32's on this CPU."""
+    return cpu_bf16_slowdown() > BF16_EMULATED
+
+
 def cpu_offers_bf16() -> bool:
     """Whether ``auto`` measures bf16 candidates on the CPU: not where bf16 is emulated (it
     could not win, and measuring it would take the cores for minutes), unless
     ``VAE_CPU_FAST_BF16`` is set (then they are measured in the order it says)."""
     if setting("cpu_fast_bf16") is not None:
         return True
-    slowdown = cpu_bf16_slowdown()
-    if slowdown > BF16_EMULATED:
-        _log_emulated(slowdown)
+    if cpu_emulates_bf16():
+        _log_emulated()
         return False
     return True
 
 
 @functools.cache
-def _log_emulated(slowdown: float) -> None:
+def _log_emulated() -> None:
+    """Once per process."""
     log.info(
         "bf16 is emulated on this CPU (a bf16 convolution took %.0fx float32's time): "
         "auto measures float32 candidates only",
-        slowdown,
+        cpu_bf16_slowdown(),
     )
 
 
