@@ -15,8 +15,6 @@ from app.families.ops import cosine
 from app.families.taesd.encoder import SYNTHETIC
 from app.runtime import gate, modes, selection
 
-pytestmark = pytest.mark.bf16_order  # the served encoder is chosen by measurement
-
 CPU = torch.device("cpu")
 TAESD = family("taesd").encoder
 CONFIG = next(iter(SYNTHETIC.values()))
@@ -53,6 +51,7 @@ def _choose(reference, setting: str, min_cos: float, repeats: int) -> selection.
     return selection.choose("encoder of t", probes, CPU, candidates, min_cos, repeats)
 
 
+@pytest.mark.bf16_order  # auto: the order is read
 @pytest.mark.parametrize("slow", [torch.float32, torch.bfloat16])
 def test_the_measured_fastest_mode_is_served(slow, monkeypatch):
     # on a loaded machine a first encode can take a second: every mode its repeats (no early
@@ -95,6 +94,7 @@ class WrongInBatches(TAESD.module):
         return out
 
 
+@pytest.mark.bf16_order  # auto: the order is read
 def test_a_copy_wrong_only_in_a_batch_fails_the_gate():
     reference = _reference(WrongInBatches)
     chosen = _choose(reference, "auto", 0.9999, 1)
@@ -151,6 +151,7 @@ def test_a_bf16_copy_serves_at_parity_and_takes_float32_pixels(tmp_path):
     assert served.part == "encoder"
     assert served.mode == modes.Mode(torch.bfloat16) and not served.fallback
     assert next(served.active.parameters()).dtype == torch.bfloat16
+    assert served.active.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
     assert next(served.reference.parameters()).dtype == torch.float32  # the reference is kept
     assert {c.name for c in served.gate.checks} == {"batch1", "batch2", "second"}
     x = torch.rand(1, 3, 64, 96, generator=torch.Generator().manual_seed(3)) * 2 - 1
@@ -170,6 +171,7 @@ def test_a_served_encoder_below_the_gate_falls_back_to_the_exact_path(tmp_path):
     assert served.describe()["dtype"] == "float32"
 
 
+@pytest.mark.bf16_order  # auto: the order is read
 def test_the_exact_encoder_serves_until_selected_after_ready(tmp_path):
     runtime = _runtime(tmp_path, dtype="auto", select="after_ready", gate_repeats=1)
     runtime.registry.load_all()  # ready: the modes not measured yet
@@ -182,6 +184,7 @@ def test_the_exact_encoder_serves_until_selected_after_ready(tmp_path):
     assert not selected.fallback
 
 
+@pytest.mark.bf16_order  # auto: the order is read
 def test_the_runtime_measures_its_encoders_after_ready(tmp_path):
     runtime = _runtime(tmp_path, select="after_ready")
     runtime.load_all()

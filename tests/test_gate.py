@@ -20,6 +20,7 @@ from app.runtime import Runtime, gate, modes
 from app.store import load_model
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
+from tests.float32_twin import Float32Twin
 from tests.live import live_server
 
 
@@ -209,8 +210,11 @@ def _taesd(cls=None):
     return reference.eval().requires_grad_(False)
 
 
-class _Native384(taesd.Decoder):
-    native_size = (384, 320)  # small: the check's cost on any CPU, bf16 emulated included
+class _Native384(Float32Twin, taesd.Decoder):
+    """Small, and its bf16 copy computes with float32 twin weights (``tests.float32_twin``):
+    the check's cost on any CPU, bf16 emulated included."""
+
+    native_size = (384, 320)
 
 
 def test_the_full_resolution_check_decodes_the_native_size_against_float32():

@@ -146,9 +146,12 @@ def retime(
     """The timed repeats after each candidate's first: in turns over the candidates, so a load
     that comes and goes during the measurement falls on every candidate alike (and the first
     one does not pay the process's warm-up alone); each keeps its best. A candidate already
-    ``CLEARLY_SLOWER`` than the best is not repeated."""
+    ``CLEARLY_SLOWER`` than the best is not repeated, nor one measured alone (nothing to
+    compare it with: a forced ``VAE_DTYPE``)."""
     for _ in range(max(1, repeats) - 1):
         measured = [c for c in candidates if c.probe_seconds is not None]
+        if len(measured) < 2:
+            return
         best = min((c.probe_seconds for c in measured), default=None)
         for candidate in measured:
             if candidate.probe_seconds <= best * CLEARLY_SLOWER:
