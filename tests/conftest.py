@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 # Idle OpenMP threads sleep rather than spin (read when torch loads: before its import here,
-# and inherited by the xdist workers and every process a test starts). The suite runs a
-# process per core plus one, each with two torch threads: spinning ones took the cores from
-# the processes with work (docs/BENCHMARKS.md, "`make test`").
+# and inherited by the xdist workers and every process a test starts): spinning ones took the
+# cores from the processes with work (docs/BENCHMARKS.md, "`make test`").
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
@@ -21,7 +20,10 @@ from tests import order  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One torch thread per test process (and the live servers it runs on its threads): the suite
+# runs more processes than cores (Makefile), and a second thread each only added the cost of
+# waking it (docs/BENCHMARKS.md, "`make test` on an AVX2-only CPU").
+torch.set_num_threads(1)
 
 
 def shared_path(*parts: str) -> Path:
@@ -46,16 +48,6 @@ def _bf16_kernels(request: pytest.FixtureRequest) -> None:
             f"bf16 is emulated on this CPU (a bf16 convolution takes {cpu_bf16_slowdown():.0f}x "
             f"float32's time): this bf16 computation runs on CPUs with bf16 kernels"
         )
-
-
-@pytest.fixture(scope="module")
-def one_thread() -> Iterator[None]:
-    """One torch thread for a module of tiny decodes (``usefixtures``): thread wake-ups, not
-    FLOPs, dominate with more. A live server runs in the test process, so its worker too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

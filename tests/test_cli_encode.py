@@ -30,8 +30,6 @@ from tests import launch
 from tests.conftest import ROOT
 from tests.live import TINY_FLUX, bake, live_server
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 SHARED = ROOT.parent / "shared"
 TAEF2 = SHARED / "weights/taef2"
 PHOTO = SHARED / "data/chelsea.png"

@@ -31,8 +31,6 @@ from tests import launch
 from tests.conftest import SHARED, shared_path
 from tests.live import ROOT, cli_import, live_server
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 FLUX_TINY = {
     "latent_channels": 16,
     "block_out_channels": [16, 32, 32, 32],

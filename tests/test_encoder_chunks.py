@@ -23,8 +23,6 @@ from app.families.ltx import encoder as ltx
 from app.families.minimax_h3 import encoder as minimax_h3
 from app.families.wan import encoder as wan
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 FAMILIES: dict[str, ModuleType] = {
     "wan": wan,
     "ltx": ltx,

@@ -14,8 +14,6 @@ from app.families.hunyuan_video import encoder as hunyuan_video
 from tests import helpers
 from tests.helpers import check_moments, reference_dist, rgb_video
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 VARIANTS = {
     "t4": dict(
         block_out_channels=(8, 16, 16, 16),

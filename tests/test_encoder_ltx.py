@@ -13,8 +13,6 @@ from app.families.ltx import encoder as ltx
 from tests import helpers
 from tests.helpers import check_moments, reference_dist, rgb_video
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 LATENT = 8
 # a tiny decoder: diffusers always builds one, these tests never use it
 DECODER = dict(

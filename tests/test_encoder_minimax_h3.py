@@ -11,8 +11,6 @@ from app.families.minimax_h3 import encoder as minimax_h3
 from tests import helpers
 from tests.helpers import check_moments, reference_dist, rgb_video
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 # a tiny ViT decoder: diffusers always builds one, these tests never use it
 DECODER = dict(
     decoder_num_layers=1,

@@ -14,8 +14,6 @@ from app.families.wan import encoder as wan
 from tests import helpers
 from tests.helpers import check_moments, reference_dist, rgb_video
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 
 def tiny(z_dim: int, **config: Any) -> dict[str, Any]:
     """A Wan VAE config of base width 8 with identity latent statistics."""

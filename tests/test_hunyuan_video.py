@@ -48,7 +48,6 @@ CONFIGS = {
 SHAPES = [(1, 1, 3, 4), (1, 3, 3, 4), (2, 5, 2, 3), (1, 7, 3, 2), (1, 10, 2, 2)]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 latent = partial(helpers.latent, seed=1)  # seed 1 unless a test says otherwise
 
 

@@ -22,14 +22,11 @@ from tests.live import import_pretrained, live_server
 
 SCALE = 0.476986
 H, W = 5, 8  # latent cells: 40x64 pixels
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning")
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, one_thread):
+def world(tmp_path_factory):
     """(endpoint URL, diffusers oracle): the tiny VAE imported by the CLI, then served."""
     store = tmp_path_factory.mktemp("hunyuan") / "store"
     oracle = seeded(

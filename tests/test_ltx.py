@@ -54,7 +54,6 @@ VARIANTS = {
 LATENT_CHANNELS = 8
 TIMESTEP = 0.05
 SEED = 7
-pytestmark = pytest.mark.usefixtures("one_thread")
 # diffusers' decode at the tests' timestep, its noise seeded like ours
 reference_decode = partial(helpers.ltx_decode, timestep=TIMESTEP, seed=SEED)
 

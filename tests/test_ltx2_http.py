@@ -33,13 +33,12 @@ from tests.test_ltx2 import ENCODER, LATENT_CHANNELS, VARIANTS
 C = LATENT_CHANNELS
 NAME = "ltx2-kinds"
 pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
     pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning"),
 ]
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, one_thread):
+def world(tmp_path_factory):
     """(endpoint URL, base URL, diffusers oracle): the VAE imported by the CLI, then served."""
     store = tmp_path_factory.mktemp("ltx2") / "store"
     config = dict(latent_channels=C, **ENCODER, **VARIANTS["kinds-causal"])

@@ -69,14 +69,13 @@ MODELS = {
     ),
 }
 pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
     # remote_decode warns that do_scaling is deprecated whenever it sends it (its default)
     pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning"),
 ]
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, one_thread):
+def world(tmp_path_factory):
     """(base URL, {name: diffusers oracle}): both models imported by the CLI, then served."""
     store = tmp_path_factory.mktemp("ltx") / "store"
     oracles = {

@@ -27,8 +27,6 @@ from app.families.ops import cosine
 from app.store import load_encoder, read_manifest, write_model
 from tests.live import live_server
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 FLUX_TINY = {
     "latent_channels": 16,
     "block_out_channels": [16, 32, 32, 32],

@@ -52,8 +52,6 @@ from app.protocol import DECODE_PARAMS, ENCODE_PARAMS, ProtocolError, parse_para
 from app.store import write_model
 from tests.live import bake, live_server
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 CHECKS = [
     status_code_conformance,
     content_type_conformance,

@@ -62,7 +62,6 @@ def _missing() -> str | None:
 
 pytestmark = [
     pytest.mark.skipif(_missing() is not None, reason=str(_missing())),
-    pytest.mark.usefixtures("one_thread"),
 ]
 
 

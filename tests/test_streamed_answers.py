@@ -35,7 +35,6 @@ MODEL = "wan-tiny"
 LATENT = (1, 16, 3, 4, 6)  # 3 latent frames -> 9 frames of 32x48
 FRAMES, H, W = 9, 32, 48
 pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
     pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning"),
 ]
 

@@ -53,7 +53,6 @@ CONFIGS = {
 }
 SHAPES = [(1, 1, 3, 4), (1, 2, 3, 4), (2, 5, 4, 3)]  # (batch, latent frames, h, w)
 CL = torch.channels_last
-pytestmark = pytest.mark.usefixtures("one_thread")
 latent = partial(helpers.latent, seed=1)  # seed 1 unless a test says otherwise
 
 

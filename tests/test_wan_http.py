@@ -39,15 +39,12 @@ MODELS = {
     ),  # fmt: skip
     "qwen": (AutoencoderKLQwenImage, dict(_SMALL, z_dim=16)),
 }
-pytestmark = [
-    pytest.mark.usefixtures("one_thread"),
-    pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:`do_scaling` is deprecated:FutureWarning")
 latent = partial(helpers.latent, seed=1)  # seed 1 unless a test says otherwise
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, one_thread):
+def world(tmp_path_factory):
     """(base URL, {name: diffusers oracle}): every model imported by the CLI, then served."""
     store = tmp_path_factory.mktemp("wan") / "store"
     oracles = {

@@ -187,7 +187,6 @@ CASES = {
 
 
 @pytest.mark.parametrize("family", CASES)
-@pytest.mark.usefixtures("one_thread")
 def test_video_families_decode_with_winograd_as_diffusers(family, tmp_path):
     """Every 3x3 conv by Winograd (``min_channels=1``: the tests' models are narrow), inside
     each family's own padding and temporal streaming, against diffusers."""
