@@ -152,7 +152,7 @@ def retime(
         measured = [c for c in candidates if c.probe_seconds is not None]
         if len(measured) < 2:
             return
-        best = min((c.probe_seconds for c in measured), default=None)
+        best = min(c.probe_seconds for c in measured)
         for candidate in measured:
             if candidate.probe_seconds <= best * CLEARLY_SLOWER:
                 candidate.probe_seconds = min(candidate.probe_seconds, seconds(candidate))
