@@ -15,8 +15,9 @@ peak (docs/encoders.md, "Memory"). So the encoder runs for real, with zero weigh
 does not depend on them). To keep the file fast: the published widths on small inputs, where
 the deep levels' weights count, and reduced widths (the published depth, strides, attention
 and channel ratios; widths / 4 to / 8) on large inputs, where the full-resolution maps count,
-linearly in the width. Float32 (the exact encoder), and bf16 (the served copy's dtype where it
-is faster) where marked.
+linearly in the width. What is measured is what the service serves on the CPU: the exact
+encoder (float32, as stored), else the copy ``modes.build`` makes for the case's mode (bf16
+where marked; channels-last where the family's ``channels_last`` says so).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from app.families import family as described
 from app.families.attention import attend
+from app.runtime import modes
+from app.runtime.modes import Mode
 
 F32, BF16 = torch.float32, torch.bfloat16
 WAN22 = {
@@ -54,6 +57,7 @@ MINIMAX_8 = {"block_out_channels": [16, 32, 32, 64, 64, 128], "norm_num_groups":
 # reduced ones on a large input (see the module docstring)
 CASES: list[tuple[str, str, dict[str, Any], tuple[int, ...], torch.dtype, bool]] = [
     ("flux", "FLUX.1", {}, (1, 3, 192, 192), F32, False),
+    ("flux", "FLUX.1 bf16", {}, (1, 3, 192, 192), BF16, False),
     ("flux", "FLUX.1 optimized", {}, (1, 3, 192, 256), F32, True),
     ("flux", "FLUX.1 /8", FLUX_8, (1, 3, 1024, 1024), F32, False),
     ("flux", "SDXL /4", {**FLUX_4, "latent_channels": 4, "use_quant_conv": True}, (1, 3, 512, 768), F32, False),
@@ -75,6 +79,7 @@ CASES: list[tuple[str, str, dict[str, Any], tuple[int, ...], torch.dtype, bool]]
     ("ltx", "LTX-2 /4 stream bf16", LTX2_4, (1, 3, 41, 128, 128), BF16, False),
     ("hunyuan-video", "HunyuanVideo", {}, (1, 3, 1, 128, 128), F32, False),
     ("hunyuan-video", "HunyuanVideo /8", HUNYUAN_8, (1, 3, 21, 192, 192), F32, False),
+    ("hunyuan-video", "HunyuanVideo /8 bf16", HUNYUAN_8, (1, 3, 21, 192, 192), BF16, False),
     ("minimax-h3", "MiniMax-H3", {}, (1, 3, 1, 128, 128), F32, False),
     ("minimax-h3", "MiniMax-H3 /8", MINIMAX_8, (1, 3, 1, 448, 448), F32, False),
     ("minimax-h3", "MiniMax-H3 /8", MINIMAX_8, (1, 3, 35, 96, 128), F32, False),
@@ -103,16 +108,17 @@ def cpu_peak(run: Callable[[], Any]) -> int:
     return peak
 
 
-def built(family: str, config: dict[str, Any], dtype: torch.dtype) -> Any:
-    """The encoder on the CPU with zero weights: memory does not depend on their values, and
-    initialising a full-size one takes longer than encoding with it."""
+def served(family: str, config: dict[str, Any], mode: Mode) -> Any:
+    """The copy the service serves in ``mode`` on the CPU, of an encoder with zero weights:
+    memory does not depend on their values, and initialising a full-size one takes longer
+    than encoding with it."""
     with torch.device("meta"):
-        encoder = described(family).encoder.module(config).to(dtype).eval()
+        encoder = described(family).encoder.module(config).eval()
     encoder.to_empty(device="cpu")
     with torch.no_grad():
         for tensor in (*encoder.parameters(), *encoder.buffers()):
             tensor.zero_()
-    return encoder
+    return modes.build(encoder, torch.device("cpu"), mode)
 
 
 def case_id(case: tuple) -> str:
@@ -127,12 +133,11 @@ def case_param(case: tuple) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("family", "label", "config", "shape", "dtype", "optimized"), map(case_param, CASES)
+    ("family", "label", "config", "shape", "dtype", "optimized"),
+    [case_param(case) for case in CASES],
 )
 def test_estimate_covers_measured_peak(family, label, config, shape, dtype, optimized) -> None:
-    encoder = built(family, config, dtype)
-    if optimized:
-        encoder.optimize()
+    encoder = served(family, config, Mode(dtype, optimized))
     x = (torch.rand(shape, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(dtype)
     peak = cpu_peak(lambda: encoder.moments(x))
     estimate = encoder.working_bytes(shape, x.element_size())

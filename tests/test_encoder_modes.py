@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from app.families import family
+from app.families import family, keys
 from app.families.ops import cosine
 from app.families.taesd.encoder import SYNTHETIC
 from app.runtime import gate, modes, selection
@@ -192,3 +192,29 @@ def test_the_runtime_measures_its_encoders_after_ready(tmp_path):
     assert served.describe()["selection"] == "done"
     assert {c["mode"] for c in served.candidates} >= {"float32 exact"}
     assert served.describe()["chosen_because"]
+
+
+def _seeded_encoder(key: str) -> torch.nn.Module:
+    """The family's first embedded encoder config, seeded."""
+    described = family(key)
+    config = next(r.encoder_config for r in described.synthetic.values() if r.encoder_config)
+    encoder = described.encoder.module(config)
+    described.encoder.init_synthetic(encoder, torch.Generator().manual_seed(0))
+    return encoder.eval()
+
+
+@pytest.mark.parametrize("key", [k for k in keys() if family(k).encoder])
+@torch.inference_mode()
+def test_a_served_float32_copy_is_laid_out_as_the_family_says_and_at_parity(key):
+    """``channels_last`` (the class flag) lays a served CPU copy's conv weights channels-last,
+    2-D and 3-D alike (``modes.set_channels_last``); the exact encoder stays as stored."""
+    reference = _seeded_encoder(key)
+    served = modes.build(reference, CPU, modes.Mode(torch.float32))  # float32, optimized
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    convs = [p for p in served.parameters() if p.ndim in formats and p.shape[1] > 1]
+    assert convs, key
+    laid_out = [p.is_contiguous(memory_format=formats[p.ndim]) for p in convs]
+    assert all(laid_out) if reference.channels_last else not any(laid_out), key
+    assert all(p.is_contiguous() for p in reference.parameters()), key  # the exact one: as stored
+    x = gate.probes_for(reference).plain
+    assert cosine(served.moments(x), reference.moments(x)) >= 0.99999, key

@@ -42,7 +42,8 @@ class VAEDecoder(nn.Module, ABC):
     family: ClassVar[str]  # the family key: set by its descriptor (app/families/descriptor.py)
     output_space: ClassVar[OutputSpace] = "signed"
     is_video: ClassVar[bool] = False
-    channels_last: ClassVar[bool] = False  # 4-D conv decoders opt in to channels_last
+    # a served copy on the CPU lays its conv weights channels-last (modes.set_channels_last)
+    channels_last: ClassVar[bool] = False
     # True when ``decode`` takes ``tiled``: None = the family's own default, True = decode in
     # tiles/bands (less memory, the out-of-memory retry), False = never tile.
     supports_tiling: ClassVar[bool] = False

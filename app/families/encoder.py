@@ -49,7 +49,8 @@ class VAEEncoder(nn.Module, ABC):
     is_video: ClassVar[bool] = False
     # False for encoders whose output is the latent itself (TAESD): no logvar half.
     gaussian: ClassVar[bool] = True
-    channels_last: ClassVar[bool] = False  # 4-D conv encoders may opt in, as decoders do
+    # a served copy on the CPU lays its conv weights channels-last (modes.set_channels_last)
+    channels_last: ClassVar[bool] = False
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()

@@ -75,7 +75,7 @@ def build(reference: nn.Module, device: torch.device, mode: Mode) -> nn.Module:
         if name not in state:
             _set_buffer(fast, name, buffer.to(device))
     if fast.channels_last and device.type == "cpu":  # on a GPU, cuDNN runs NCHW faster
-        fast = fast.to(memory_format=torch.channels_last)
+        set_channels_last(fast)
     if device.type == "cuda":
         set_conv3d_layout(fast, family(fast.family).gpu_conv3d_layout)  # the family's choice
     if mode.optimized:
@@ -92,6 +92,16 @@ def _cast_names(reference: nn.Module, dtype: torch.dtype) -> set[str]:
         if tensor.is_floating_point()
         and not (dtype != torch.float32 and reference.keeps_float32(name))
     }
+
+
+def set_channels_last(part: nn.Module) -> None:
+    """Lay out ``part``'s conv weights channels-last (4-D: ``channels_last``, 5-D:
+    ``channels_last_3d``): oneDNN then computes each conv in that layout and hands it on, where
+    from NCHW it computes channels-last and converts back (bf16 with AMX: a copy per conv)."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    for param in part.parameters():
+        if param.ndim in formats:
+            param.data = param.data.contiguous(memory_format=formats[param.ndim])
 
 
 def set_conv3d_layout(part: nn.Module, layout: str) -> None:
