@@ -1,12 +1,9 @@
 """Each encoder family's ``Encoder.working_bytes`` against the peak it measures on the CPU.
 
-The measured peak is that of PyTorch's CPU allocator during one ``moments``: the profiler
-(``profile_memory=True``) records every allocation and free made through it, inside ops too
-(oneDNN's blocked copies of a conv's input and output, its re-packed weight, im2col columns,
-Winograd's block buffers, SDPA's own buffers), and ``cpu_peak`` is the highest running sum of
-them in time order. The weights exist before the call, so they are not counted. The estimate
-must cover the peak without planning too much: 1.0x to 1.5x of it, as the decoders'
-(``tests/test_memory_estimate.py``).
+The measured peak is that of PyTorch's CPU allocator during one ``moments``
+(``tests/cpu_memory.cpu_peak``: oneDNN's and every op's temporaries included, the weights
+not). The estimate must cover the peak without planning too much: 1.0x to
+1.5x of it, as the decoders' (``tests/test_memory_estimate.py``).
 
 Why not the decoders' meta-device ``live_peak``: it sees op outputs only, none of the
 temporaries above, which the CPU holds too: the meta peak is well under the real one on
@@ -22,21 +19,18 @@ where marked; channels-last where the family's ``channels_last`` says so).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._C._profiler import _EventType
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 from app.families import family as described
 from app.families.attention import attend
-from app.runtime import modes
 from app.runtime.modes import Mode
+from tests.cpu_memory import cpu_peak, served_zeroed
 
 F32, BF16 = torch.float32, torch.bfloat16
 WAN22 = {
@@ -86,41 +80,6 @@ CASES: list[tuple[str, str, dict[str, Any], tuple[int, ...], torch.dtype, bool]]
 ]  # fmt: skip
 
 
-def cpu_peak(run: Callable[[], Any]) -> int:
-    """Peak bytes of the CPU allocator's allocations made by ``run`` and alive at once (its
-    result included): the running sum of the profiler's allocation events in time order."""
-    with (
-        torch.inference_mode(),
-        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as p,
-    ):
-        result = run()
-        del result
-    events, stack = [], list(p.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size))
-    live = peak = 0
-    for _, size in sorted(events):
-        live += size
-        peak = max(peak, live)
-    return peak
-
-
-def served(family: str, config: dict[str, Any], mode: Mode) -> Any:
-    """The copy the service serves in ``mode`` on the CPU, of an encoder with zero weights:
-    memory does not depend on their values, and initialising a full-size one takes longer
-    than encoding with it."""
-    with torch.device("meta"):
-        encoder = described(family).encoder.module(config).eval()
-    encoder.to_empty(device="cpu")
-    with torch.no_grad():
-        for tensor in (*encoder.parameters(), *encoder.buffers()):
-            tensor.zero_()
-    return modes.build(encoder, torch.device("cpu"), mode)
-
-
 def case_id(case: tuple) -> str:
     family, label, _, shape, _, _ = case
     return f"{family}-{label.replace(' ', '_')}-{'x'.join(map(str, shape[2:]))}"
@@ -137,7 +96,7 @@ def case_param(case: tuple) -> Any:
     [case_param(case) for case in CASES],
 )
 def test_estimate_covers_measured_peak(family, label, config, shape, dtype, optimized) -> None:
-    encoder = served(family, config, Mode(dtype, optimized))
+    encoder = served_zeroed(described(family).encoder.module, config, Mode(dtype, optimized))
     x = (torch.rand(shape, generator=torch.Generator().manual_seed(0)) * 2 - 1).to(dtype)
     peak = cpu_peak(lambda: encoder.moments(x))
     estimate = encoder.working_bytes(shape, x.element_size())

@@ -27,11 +27,12 @@ from tests.live import TINY_FLUX, bake, live_server
 
 
 def flux_tiny_work(side: int) -> int:
-    """flux-tiny's own working-memory estimate for a [1,16,side,side] latent in float32."""
+    """What the CPU plans for flux-tiny decoding a [1,16,side,side] latent in float32 (its
+    own estimate times its ``cpu_margin``)."""
     from app.families import family
 
     decoder = family("flux").decoder.module(TINY_FLUX["flux-tiny"])
-    return decoder.working_bytes((1, 16, side, side), 4)
+    return decoder.planned_bytes((1, 16, side, side), 4)
 
 
 # tiny caps, so tiny requests cross them: a 1 MiB response; the decoder memory of a 128x128
@@ -95,7 +96,7 @@ def test_a_response_larger_than_the_output_cap_is_refused_with_the_numbers(serve
 
 
 def test_a_decode_that_needs_more_working_memory_than_the_cap_is_refused(server):
-    """The 413 follows the decoder's own estimate (the one the runner plans with): the
+    """The 413 follows the decoder's own estimate (on the CPU times its ``cpu_margin``): the
     largest square latent within the cap decodes, the next size up is refused."""
     cap = CAPS["max_decode_mb"] << 20
     fits = max(s for s in range(1, 73) if flux_tiny_work(s) <= cap)  # 72: the 1 MiB PNG cap

@@ -55,6 +55,11 @@ class VAEDecoder(nn.Module, ABC):
     # gate's full-resolution check (``full_latent``) decodes a latent of that size.
     native_size: ClassVar[tuple[int, int]] = (1024, 1024)
     native_latent_frames: ClassVar[int] = 3
+    # ``working_bytes`` is measured on the meta device, which sees op outputs only; on the CPU
+    # oneDNN also holds its own copies of a conv's input and output (its blocked layout, a
+    # padded input's copy): the CPU plans ``cpu_margin`` times the estimate (measured per
+    # family: tests/test_decoder_cpu_memory.py, docs/decoders.md).
+    cpu_margin: ClassVar[float] = 1.0
 
     def __init__(self, config: dict[str, Any] | None = None) -> None:
         # ``config`` None: a family's ``model.Architecture`` (first in the MRO) sets it
@@ -92,6 +97,13 @@ class VAEDecoder(nn.Module, ABC):
         peak (tests/test_memory_estimate.py); this default (the output, 8 times over) is for
         test doubles only."""
         return 8 * self.output_values(latent_shape) * element_size
+
+    def planned_bytes(self, latent_shape: tuple[int, ...], element_size: int) -> int:
+        """What one untiled ``decode`` on this copy's device is planned to hold beyond the
+        weights (the 413 admission check): ``working_bytes``, times ``cpu_margin`` on the CPU."""
+        work = self.working_bytes(latent_shape, element_size)
+        on_cpu = next(self.parameters()).device.type == "cpu"
+        return int(work * self.cpu_margin) if on_cpu else work
 
     def output_values(self, latent_shape: tuple[int, ...]) -> int:
         """Values of ``decode``'s output for a latent of ``latent_shape``."""

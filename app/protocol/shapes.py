@@ -59,7 +59,7 @@ class ModelGeometry:
     temporal_scale: int
     is_video: bool
     frames_out: Callable[[int], int]  # latent frames -> output frames
-    # latent shape (batch included) -> the decoder's estimated working bytes
+    # latent shape (batch included) -> the decoder's planned working bytes on its device
     working_bytes: Callable[[tuple[int, ...]], int] = lambda shape: 0
     fps: float | None = None  # the model's own MP4 frame rate, if its config has one
 
@@ -74,7 +74,7 @@ class ModelGeometry:
             decoder.temporal_scale,
             decoder.is_video,
             decoder.frames_out,
-            lambda shape: decoder.working_bytes(tuple(shape), size),
+            lambda shape: decoder.planned_bytes(tuple(shape), size),
             float(fps) if isinstance(fps, int | float) and not isinstance(fps, bool) else None,
         )
 
