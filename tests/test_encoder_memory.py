@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from app.families import family as described
+from app.families import keys
 from app.families.attention import attend
 from app.runtime.modes import Mode
 from tests.cpu_memory import cpu_peak, served_zeroed
@@ -105,6 +106,11 @@ def test_estimate_covers_measured_peak(family, label, config, shape, dtype, opti
         f"{label} {list(shape)}: estimate {estimate / 2**20:.0f} MiB, "
         f"measured {peak / 2**20:.0f} MiB (x{ratio:.2f})"
     )
+
+
+def test_every_encoder_family_is_measured() -> None:
+    """A family with an encoder measures its estimate here (docs/encoders.md, "Memory")."""
+    assert {case[0] for case in CASES} == {k for k in keys() if described(k).encoder}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
