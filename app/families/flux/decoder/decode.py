@@ -41,7 +41,7 @@ def band_bytes_for(device: torch.device, config: dict[str, Any] | None = None) -
 class Decoder(Architecture, VAEDecoder):
     output_space = "signed"
     channels_last = True
-    cpu_margin = 1.3  # the exact (NCHW) decoder's oneDNN copies (docs/decoders.md)
+    cpu_margin = 1.35  # the exact (NCHW) decoder's oneDNN copies (docs/decoders.md)
     supports_tiling = True  # row bands (fast.decode_banded): exact, less memory
     exact_tiling = True
 
