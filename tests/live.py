@@ -79,8 +79,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(store: Path, **settings: Any) -> Iterator[str]:
-    """Serve ``store`` with uvicorn on a loopback port; yields the base URL once ready."""
+def live_server(store: Path, selected: bool = True, **settings: Any) -> Iterator[str]:
+    """Serve ``store`` with uvicorn on a loopback port; yields the base URL once ready and,
+    unless ``selected`` is False, every part's mode chosen (``VAE_DTYPE=auto`` on a CPU
+    measures the modes after ready, in the background: a test would otherwise meet the exact
+    path or the chosen copy by timing, and read the candidate order during its own run,
+    tests/order.py)."""
     app = create_app(Settings(models_dir=store, **settings))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -91,7 +95,7 @@ def live_server(store: Path, **settings: Any) -> Iterator[str]:
     while time.monotonic() < deadline:
         try:
             if requests.get(f"{url}/readyz", timeout=1).status_code in (200, 503):
-                if not app.state.runtime.loading:
+                if not app.state.runtime.loading and (not selected or _selected(app.state.runtime)):
                     break
         except (requests.ConnectionError, requests.Timeout):  # not up yet, or busy loading
             pass
@@ -101,6 +105,12 @@ def live_server(store: Path, **settings: Any) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+def _selected(runtime: Any) -> bool:
+    """No part's mode is still to be measured (``registry.select_pending``)."""
+    parts = [*runtime.models.values(), *runtime.encoders.values()]
+    return all(p.state is None or p.state.selection not in ("pending", "measuring") for p in parts)
 
 
 def cli_import(store: Path, *models: tuple[str, Path, str], references: bool = True) -> list[str]:

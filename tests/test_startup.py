@@ -271,7 +271,7 @@ def test_a_slower_mode_is_not_served_because_of_the_cpu_flags(sleepy, monkeypatc
 def test_the_exact_path_serves_first_then_the_measured_mode(sleepy):
     """VAE_SELECT=auto on the CPU: ready on the exact path, the winner swapped in after."""
     store = sleepy(["float32", "float32 exact", "bfloat16 exact"], sleep_s=1.5)
-    with live_server(store, models="sleepy", dtype="auto") as url:
+    with live_server(store, selected=False, models="sleepy", dtype="auto") as url:
         ready = requests.get(f"{url}/readyz")
         assert ready.status_code == 200
         (early,) = requests.get(f"{url}/models").json()["models"]
