@@ -144,7 +144,7 @@ class Encoder(VAEEncoder):
     ``.encode(x).latent_dist.parameters``."""
 
     is_video = True
-    channels_last = True  # a served copy on the CPU: faster, less memory (docs/encoders.md)
+    channels_last = True  # bf16 on the CPU: no copy of each output back (docs/encoders.md)
 
     def __init__(self, config: dict[str, Any]) -> None:
         base = LTX2_DEFAULTS if config.get("version") == VERSION_LTX2 else DEFAULTS
