@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from app.families import family, keys
-from app.families.ops import cosine
+from app.families.ops import CHANNELS_LAST, cosine
 from app.families.taesd.encoder import SYNTHETIC
 from app.runtime import gate, modes, selection
 
@@ -210,10 +210,9 @@ def test_a_served_float32_copy_is_laid_out_as_the_family_says_and_at_parity(key)
     2-D and 3-D alike (``modes.set_channels_last``); the exact encoder stays as stored."""
     reference = _seeded_encoder(key)
     served = modes.build(reference, CPU, modes.Mode(torch.float32))  # float32, optimized
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    convs = [p for p in served.parameters() if p.ndim in formats and p.shape[1] > 1]
+    convs = [p for p in served.parameters() if p.ndim in CHANNELS_LAST and p.shape[1] > 1]
     assert convs, key
-    laid_out = [p.is_contiguous(memory_format=formats[p.ndim]) for p in convs]
+    laid_out = [p.is_contiguous(memory_format=CHANNELS_LAST[p.ndim]) for p in convs]
     assert all(laid_out) if reference.channels_last else not any(laid_out), key
     assert all(p.is_contiguous() for p in reference.parameters()), key  # the exact one: as stored
     x = gate.probes_for(reference).plain

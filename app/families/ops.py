@@ -133,11 +133,14 @@ def upsample_phase_kernels(weight: Tensor) -> Tensor:
     return torch.stack(phases)
 
 
+# the channels-last memory format of a conv weight (or map), by its number of dimensions
+CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 def laid_out_like(kernels: Tensor, weight: Tensor) -> Tensor:
     """``kernels`` [..., Cout, Cin, *k], each kernel channels-last where ``weight`` is (else
     every conv call reorders it)."""
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    fmt = formats.get(weight.ndim)
+    fmt = CHANNELS_LAST.get(weight.ndim)
     if fmt is None or weight.shape[1] == 1 or not weight.is_contiguous(memory_format=fmt):
         return kernels
     lead, k = kernels.ndim - weight.ndim, weight.ndim - 2

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from app.families import family
+from app.families.ops import CHANNELS_LAST
 from app.runtime.device import cpu_has_fast_bf16, cpu_offers_bf16
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,18 +99,19 @@ def set_channels_last(part: nn.Module) -> None:
     """Lay out ``part``'s conv weights channels-last (4-D: ``channels_last``, 5-D:
     ``channels_last_3d``): oneDNN then computes each conv in that layout and hands it on, where
     from NCHW it computes channels-last and converts back (bf16 with AMX: a copy per conv)."""
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    for param in part.parameters():
-        if param.ndim in formats:
-            param.data = param.data.contiguous(memory_format=formats[param.ndim])
+    _lay_out(part, CHANNELS_LAST)
 
 
 def set_conv3d_layout(part: nn.Module, layout: str) -> None:
     """Lay out every 5-D weight of ``part`` as ``layout`` (a key of ``CONV3D_LAYOUTS``)."""
-    memory_format = CONV3D_LAYOUTS[layout]
+    _lay_out(part, {5: CONV3D_LAYOUTS[layout]})
+
+
+def _lay_out(part: nn.Module, formats: dict[int, torch.memory_format]) -> None:
+    """Every parameter of ``part`` with a number of dimensions in ``formats``, in its format."""
     for param in part.parameters():
-        if param.ndim == 5:
-            param.data = param.data.contiguous(memory_format=memory_format)
+        if param.ndim in formats:
+            param.data = param.data.contiguous(memory_format=formats[param.ndim])
 
 
 def _set_buffer(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
