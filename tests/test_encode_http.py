@@ -239,6 +239,7 @@ def _huge_png(width: int, height: int) -> bytes:
         ("/encode/flux-enc", {}, "huge", {}, 413, "exceeds the limit"),  # Pillow's bound
         ("/encode/flux-enc", {}, "5k", {}, 413, "input 5000x5000 exceeds the limit"),  # ours
         ("/encode/flux-enc", {}, b"\x89PNG\r\n\x1a\nbroken", {}, 400, "not a valid"),
+        ("/encode/flux-enc", {}, b"hello", {"Content-Type": "image/png"}, 400, "not a valid"),
         ("/encode/flux-enc", {}, b"\0" * 12, {"Content-Type": "tensor/binary"}, 422, "shape"),
         ("/encode/flux-enc", {"shape": [1, 3, 9000, 9000]}, b"\0" * 12, {}, 413, "limit"),
         ("/encode/flux-enc", {"shape": [1, 4, 64, 64]}, b"\0" * 12, {}, 422, "[B,3,H,W]"),
@@ -259,6 +260,7 @@ def test_bad_input_gets_a_json_4xx(url, path, params, body, headers, status, say
     r = requests.post(f"{url}{path}", params=params, data=body, headers=headers, timeout=60)
     assert r.status_code == status, r.text
     assert says in r.json()["error"], r.json()
+    assert " at 0x" not in r.text, r.text  # a parser's object repr, without its address
 
 
 def _mp4(frames: np.ndarray, fps: int = 8) -> bytes:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import io
 import math
-import re
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from app.protocol.errors import ProtocolError, echo
+from app.protocol.errors import ProtocolError, echo, plain
 from app.protocol.params import MAX_DIM, WIRE_DTYPES, DecodeParams
 
 RAW_TYPES = {"tensor/binary", "application/octet-stream"}
@@ -82,7 +81,7 @@ def _parse_safetensors(body: bytes) -> Tensor:
     try:
         tensors = load(bytes(body))  # safetensors takes bytes only
     except (SafetensorError, ValueError, RuntimeError, OverflowError) as exc:
-        raise ProtocolError(400, f"body is not a valid safetensors file: {_plain(exc)}") from None
+        raise ProtocolError(400, f"body is not a valid safetensors file: {plain(exc)}") from None
     if len(tensors) != 1:
         raise ProtocolError(400, f"safetensors body holds {len(tensors)} tensors", "exactly one")
     tensor = next(iter(tensors.values()))
@@ -110,7 +109,7 @@ def _parse_npy(body: bytes) -> Tensor:
             raise ValueError(f"version {version} is not supported (1.0 or 2.0)")
         shape, fortran_order, dtype = read_header(stream)
     except Exception as exc:  # numpy's header parser raises many types on hostile input
-        raise ProtocolError(400, f"body is not a valid .npy file: {_plain(exc)}") from None
+        raise ProtocolError(400, f"body is not a valid .npy file: {plain(exc)}") from None
     if dtype.kind != "f" or dtype.itemsize not in (2, 4) or dtype.fields is not None:
         raise ProtocolError(422, f".npy dtype {dtype} is not supported", "float32|float16")
     if not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape):
@@ -132,12 +131,3 @@ def _parse_npy(body: bytes) -> Tensor:
     array = np.frombuffer(body, dtype=dtype, count=count, offset=stream.tell())
     array = array.reshape(shape, order="F" if fortran_order else "C")
     return torch.from_numpy(array.astype(dtype.newbyteorder("="), order="C", copy=True))
-
-
-_ADDRESS = re.compile(r"<([\w.]+) object at 0x[0-9a-fA-F]+>")
-
-
-def _plain(exc: BaseException, limit: int = 200) -> str:
-    """A parser's message for a client: object reprs without memory addresses, clipped."""
-    text = _ADDRESS.sub(r"<\1>", str(exc))
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -36,7 +36,7 @@ from app.protocol.bodies import (
     media_type,
     parse_body,
 )
-from app.protocol.errors import ProtocolError, echo
+from app.protocol.errors import ProtocolError, echo, plain
 from app.protocol.output import parse_accept
 from app.protocol.params import ENCODE_PARAMS, WIRE_DTYPES, DecodeParams, _bool, parse_params
 from app.protocol.params import parse_timeout as _parse_timeout
@@ -313,7 +313,7 @@ def read_image(
             "a smaller image",
         ) from None
     except Exception as exc:  # Pillow raises many types on a broken header
-        raise ProtocolError(400, f"body is not a valid {kind} image: {exc}"[:200]) from None
+        raise ProtocolError(400, f"body is not a valid {kind} image: {plain(exc)}") from None
     w, h = image.size
     _check_size(1, 1, h, w, geo, limits)
     try:
@@ -321,7 +321,7 @@ def read_image(
     except MemoryError:
         raise
     except Exception as exc:  # truncated or corrupt data past the header
-        raise ProtocolError(400, f"the {kind} image cannot be decoded: {exc}"[:200]) from None
+        raise ProtocolError(400, f"the {kind} image cannot be decoded: {plain(exc)}") from None
     return _to_pixels([rgb], multiple)
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 MAX_ECHO = 64  # characters of a client's value an error message repeats
+_ADDRESS = re.compile(r"<([\w.]+) object at 0x[0-9a-fA-F]+>")
 
 
 class ProtocolError(Exception):
@@ -26,4 +28,10 @@ class ProtocolError(Exception):
 def echo(value: object, limit: int = MAX_ECHO) -> str:
     """A client's value as an error message repeats it: repr'd, clipped to ``limit``."""
     text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def plain(exc: BaseException, limit: int = 200) -> str:
+    """A parser's message for a client: object reprs without memory addresses, clipped."""
+    text = _ADDRESS.sub(r"<\1>", str(exc))
     return text if len(text) <= limit else text[: limit - 3] + "..."
