@@ -113,6 +113,18 @@ class Settings(BaseSettings):
     stream_socket_kb: int = Field(
         512, ge=16, description="kernel send buffer of an MP4 stream's connection (SO_SNDBUF)"
     )
+    heap_reuse: bool = Field(
+        False,
+        description="a decode's ops reuse the memory its earlier ops freed (glibc: one arena, "
+        "no mmap or trim per tensor) instead of page-faulting each map in: faster on a CPU, "
+        'a larger resident peak (README, "The heap")',
+    )
+    heap_idle_s: float = Field(
+        1.0,
+        gt=0,
+        description="with VAE_HEAP_REUSE: the heap's free pages go back to the OS once the "
+        "worker has had no work for this long",
+    )
     # device
     device_memory_gb: float = Field(0.0, ge=0, description="cap on device memory; 0 = the card")
     oom_fallback: Literal["off", "cpu"] = Field(

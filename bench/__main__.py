@@ -15,6 +15,7 @@ import sys
 TOOLS = {
     "all": "bench.table",
     "encode": "bench.encode",
+    "heap": "bench.heap",
     "png": "bench.png",
     "profile": "bench.profile",
     "series": "bench.series",

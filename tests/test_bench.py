@@ -139,6 +139,17 @@ def test_profile_rows_split_the_op_time():
     assert profile.kind("aten::convolution") == "rest"  # a wrapper: its kernel is counted
 
 
+def test_heap_rows_time_fault_and_grow():
+    """``python -m bench heap``'s row on the tiniest shape (this process's heap, as it is):
+    a decode timed on a second thread, its page faults and resident growth read."""
+    heap = importlib.import_module("bench.heap")
+    row = heap.measure("taesd", "tiny", "float32", repeats=1)
+    assert row["seconds"] > 0 and row["faults"] >= 0 and row["grew"] >= 0
+    assert row["served"] == "float32"
+    line = heap.format_row("taesd", row, {**row, "seconds": row["seconds"] / 2})
+    assert "| 2.00x |" in line
+
+
 def test_flops_count_the_service_kernels():
     """The im2col conv (``ops.conv3d_direct``) and Winograd's in-place GEMMs count as the
     plain ops they compute."""

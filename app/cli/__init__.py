@@ -124,6 +124,11 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("app.cli").critical("refusing to start: %s", _config_errors(exc))
         return 2
 
+    from app.runtime import heap
+
+    if settings.heap_reuse:
+        heap.reuse()  # before any thread of the service starts
+
     import uvicorn
 
     from app.http import create_app

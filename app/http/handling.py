@@ -6,7 +6,6 @@ worker's outcome (a client that leaves, a deadline that passes, a drain that run
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import threading
 import time
@@ -32,7 +31,7 @@ from app.http.errors import (
 from app.http.mp4 import JobStream
 from app.http.serving import Serving
 from app.protocol import Head, ProtocolError
-from app.runtime import Job
+from app.runtime import Job, heap
 from app.telemetry.timing import PhaseTimer
 
 log = logging.getLogger("app.service")
@@ -40,20 +39,16 @@ log = logging.getLogger("app.service")
 # server's protocol reads and drops the rest for a while first, app/http/timeouts.py)
 BODY_LEFT_UNREAD = frozenset({408, 413})
 # A burst of bodies this large, once all released, gives the heap's free pages back to the
-# OS: glibc keeps what a burst's chunks and parse copies left in its heaps otherwise (the
-# process ratcheted to GBs). malloc_trim rather than a fixed M_MMAP_THRESHOLD: as good for
-# the bodies (README, "Limits"), and it costs the decodes' mid-size tensors no page faults.
+# OS: glibc keeps what a burst's chunks and parse copies left in its heap otherwise (the
+# process ratcheted to GBs; with VAE_HEAP_REUSE it keeps everything until the worker idles).
 TRIM_AFTER = 64 << 20
-# glibc only (the process's own symbols): elsewhere the allocator is left as it is
-_TRIM: Callable[[int], int] | None = getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
 def trim_malloc(burst: int, limit: int) -> None:
     """Give the heap's free pages back to the OS, on a thread: it walks the whole heap."""
 
     def trim() -> None:
-        if _TRIM is not None:
-            _TRIM(0)
+        heap.release()
         log.info("request bodies: %d bytes at the burst's peak of a %d-byte budget, all "
                  "released", burst, limit)  # fmt: skip
 

@@ -14,7 +14,7 @@ import torch
 
 from app.config import Settings
 from app.protocol.request import DecodeRequest
-from app.runtime import compiled
+from app.runtime import compiled, heap
 from app.runtime.parts import ServedPart
 from app.runtime.registry import Registry
 from app.runtime.runner import Runner
@@ -46,6 +46,8 @@ class Runtime:
             self._device_lost,
             settings.batch_window_ms / 1000,
             max_streams=settings.streams_max,
+            on_idle=heap.release_when_reusing,
+            idle_s=settings.heap_idle_s,
         )
         self.on_device_lost: Callable[[str], None] = lambda reason: None
 
@@ -99,6 +101,7 @@ class Runtime:
             self.warm_up()  # the winners' own first decodes
         if not self.registry.stopping:
             self.compile_warm_up_shapes()
+        heap.release_when_reusing()  # what the start's probes and losing copies held
 
     def start(self) -> None:
         self.scheduler.start()

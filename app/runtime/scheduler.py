@@ -134,6 +134,8 @@ class Scheduler:
         on_device_lost: Callable[[str], None],
         batch_window_s: float = 0.0,
         max_streams: int = 8,
+        on_idle: Callable[[], None] | None = None,
+        idle_s: float = 1.0,
     ) -> None:
         self.runner = runner
         self.metrics = metrics
@@ -150,6 +152,8 @@ class Scheduler:
         self.max_streams = max_streams
         self.streams = 0  # admitted streams not yet free (queued, decoding or sending)
         self._streams_lock = threading.Lock()
+        self.on_idle = on_idle  # run once each time the worker has waited ``idle_s`` for work
+        self.idle_s = idle_s
 
     @property
     def worker_died(self) -> bool:
@@ -231,11 +235,22 @@ class Scheduler:
     def _run(self) -> None:
         while not self._stop_seen:
             item = self._pending or (
-                self._streams_waiting.popleft() if self._streams_waiting else self._queue.get()
+                self._streams_waiting.popleft() if self._streams_waiting else self._next()
             )
             self._pending = None
             self._run_item(item)
         self.fail_queued(Stopped("the service is shutting down"))
+
+    def _next(self) -> Job | Call | None:
+        """The next queued item; once none has come for ``idle_s``, ``on_idle`` runs (once)
+        before the wait goes on."""
+        if self.on_idle is None:
+            return self._queue.get()
+        try:
+            return self._queue.get(timeout=self.idle_s)
+        except queue.Empty:
+            self.on_idle()
+            return self._queue.get()
 
     def _run_item(self, item: Job | Call | None) -> None:
         if item is None:

@@ -1,0 +1,69 @@
+"""``VAE_HEAP_REUSE``: a decode's maps come from memory its earlier ops freed, not fresh pages
+the kernel faults in and zeroes; once the worker is idle the heap's free pages go back to
+the OS. Measured on a real ``python -m app serve`` process: its minor page faults over one
+decode, and its resident set before and after the idle release (app/runtime/heap.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from app.runtime import heap
+from tests.faulty import rss_bytes, serve_process
+
+pytestmark = pytest.mark.skipif(heap._LIBC is None, reason="glibc's allocator only")
+
+# flux-tiny's exact path at 768x768: its full-size maps are 16 channels of float32, 36 MiB
+# each, past glibc's largest mmap threshold (32 MiB)
+SHAPE = (1, 16, 96, 96)
+MAP_BYTES = 16 * 768 * 768 * 4
+
+
+def minor_faults(pid: int) -> int:
+    """The process's minor page faults so far (proc(5): the 10th field of /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[7])
+
+
+def _decode(url: str) -> None:
+    z = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
+    r = requests.post(
+        f"{url}/decode/flux-tiny",
+        params={"shape": list(SHAPE), "dtype": "float32", "output_type": "pt"},
+        data=z.tobytes(),
+        headers={"Content-Type": "tensor/binary"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+
+
+def _faults_of_a_decode(url: str, pid: int) -> int:
+    """Page faults of the second decode (the first one grows the heap)."""
+    _decode(url)
+    before = minor_faults(pid)
+    _decode(url)
+    return minor_faults(pid) - before
+
+
+def test_a_reused_heap_faults_no_map_in_and_gives_its_pages_back_when_idle(flux_store, tmp_path):
+    env = {"VAE_MODELS": "flux-tiny", "VAE_HEAP_IDLE_S": "0.5"}
+    with serve_process(flux_store, tmp_path / "glibc.log", **env) as (url, proc):
+        glibc = _faults_of_a_decode(url, proc.pid)
+    with serve_process(flux_store, tmp_path / "reuse.log", VAE_HEAP_REUSE="1", **env) as (
+        url,
+        proc,
+    ):
+        reused = _faults_of_a_decode(url, proc.pid)
+        busy = rss_bytes(proc.pid)
+        time.sleep(2)  # the worker idles past VAE_HEAP_IDLE_S
+        idle = rss_bytes(proc.pid)
+    assert glibc > 4 * MAP_BYTES >> 12, f"glibc's defaults faulted {glibc} pages in"
+    # what is left: the request's own buffers, and pages the forked server shares with its parent
+    assert reused < glibc / 10, f"{reused} pages faulted in with the heap reused, {glibc} without"
+    assert busy - idle > 2 * MAP_BYTES, (
+        f"resident {busy >> 20} MiB after the decode, {idle >> 20} MiB once idle"
+    )
