@@ -15,6 +15,9 @@ worker serves whatever other work is queued, so a small request waits about one 
 whole videos. Chunked jobs run one at a time, in order (each holds its module's working
 state); at most ``max_streams`` streams are admitted at once, queued or running or still
 sending (``StreamsFull`` past that).
+
+Once the worker has had nothing to do for ``idle_s``, it runs ``on_idle`` (the runtime's: give
+a reused heap's free pages back, app/runtime/heap.py).
 """
 
 from __future__ import annotations
