@@ -57,6 +57,7 @@ def reuse() -> bool:
     )
     if taken:
         _reusing.set()
+        log.info("VAE_HEAP_REUSE: freed memory is reused; its pages go back once the worker idles")
     else:
         log.warning("glibc refused the heap settings: decodes page-fault their maps in")
     return taken
