@@ -198,6 +198,15 @@ def print_report(rows: list[dict], flops: int, rates: dict, device: str, peer: s
         )
 
 
+def bench_child(args: list[str]) -> dict:
+    """``python -m bench ARGS`` (a ``--child`` run) in a process of its own: its JSON line, or
+    ``{"error": the last line it wrote to stderr}`` when it failed."""
+    done = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def spawn_child(family: str, args, options: list[str], name: str, out: Path) -> dict:
     """Variant ``name`` of ``python -m bench <family>`` measured in a process of its own
     (``--child``; ``options``: the family's own arguments); the child's JSON result."""

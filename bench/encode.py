@@ -36,7 +36,6 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -403,18 +402,13 @@ def rows(args: argparse.Namespace, emulated: bool) -> list[dict]:
     """Each family's row from its own subprocess (``--child``)."""
     out = []
     for name in args.only or setups():
-        command = [sys.executable, "-m", "bench", "encode", "--child", name]
+        command = ["encode", "--child", name]
         command += ["--repeats", str(args.repeats)] + (["--quick"] if args.quick else [])
         if args.threads:
             command += ["--threads", str(args.threads)]
         if emulated and not args.force_bf16:
             command.append("--skip-bf16")
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["?"])[-1]
-            out.append({"family": name, "error": last[:200]})
-        else:
-            out.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        out.append({"family": name, **common.bench_child(command)})
         r = out[-1]
         note = r.get("error") or (
             f"{r['ratio']:.2f}x of {r['best']}" if r["ratio"] is not None else NO_PEER

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -78,7 +76,7 @@ def run(args: argparse.Namespace) -> None:
         if args.threads:
             torch.set_num_threads(args.threads)
         return print(json.dumps(measure(args.child, scale, args.mode, args.repeats)))
-    from bench import table
+    from bench import common, table
 
     print(table.machine_line())
     print(
@@ -88,15 +86,13 @@ def run(args: argparse.Namespace) -> None:
     for family in args.only or table.setups():
         rows = {}
         for variant in VARIANTS:
-            command = [sys.executable, "-m", "bench", "heap", "--child", family, "--variant"]
+            command = ["heap", "--child", family, "--variant"]
             command += [variant, "--scale", scale, "--mode", args.mode]
             command += ["--threads", str(args.threads), "--repeats", str(args.repeats)]
-            done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode != 0:
-                last = (done.stderr.strip().splitlines() or ["?"])[-1]
-                print(f"| {family} | {variant} failed: {last[:200]} |||||||||")
+            rows[variant] = common.bench_child(command)
+            if "error" in rows[variant]:
+                print(f"| {family} | {variant} failed: {rows[variant]['error']} |||||||||")
                 break
-            rows[variant] = json.loads(done.stdout.strip().splitlines()[-1])
         else:
             print(format_row(family, rows["glibc"], rows["reuse"]), flush=True)
 

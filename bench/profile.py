@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 
 import torch
@@ -114,15 +112,14 @@ def run(args: argparse.Namespace) -> None:
         "| GFLOP | conv+GEMM+attention GFLOP/s |\n|---|---|---|---|---|---|---|---|---|---|"
     )
     for family in args.only or table.setups():
-        command = [sys.executable, "-m", "bench", "profile", "--child", family]
+        command = ["profile", "--child", family]
         command += ["--scale", scale, "--mode", args.mode, "--threads", str(args.threads)]
         command += ["--repeats", str(args.repeats)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["?"])[-1]
-            print(f"| {family} | failed: {last[:200]} |||||||||")
+        measured = common.bench_child(command)
+        if "error" in measured:
+            print(f"| {family} | failed: {measured['error']} |||||||||")
             continue
-        print(format_rows(family, json.loads(done.stdout.strip().splitlines()[-1])), flush=True)
+        print(format_rows(family, measured), flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

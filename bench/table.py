@@ -36,7 +36,6 @@ import argparse
 import importlib
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -297,7 +296,7 @@ def run(args: argparse.Namespace) -> None:
     )
     rows = []
     for name in args.only or setups():
-        command = [sys.executable, "-m", "bench", "all", "--child", name, "--scale", scale]
+        command = ["all", "--child", name, "--scale", scale]
         command += ["--repeats", str(args.repeats)]
         if args.threads:
             command += ["--threads", str(args.threads)]
@@ -305,12 +304,7 @@ def run(args: argparse.Namespace) -> None:
             command.append("--skip-bf16")
         if args.float32:
             command.append("--float32")
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["?"])[-1]
-            rows.append({"family": name, "error": last[:200]})
-        else:
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rows.append({"family": name, **common.bench_child(command)})
         print(f"  {name:14s} {_note(rows[-1])}", flush=True)
     print()
     print(format_table(rows))
