@@ -15,7 +15,7 @@ import requests
 from app.runtime import heap
 from tests.faulty import rss_bytes, serve_process
 
-pytestmark = pytest.mark.skipif(heap._LIBC is None, reason="glibc's allocator only")
+pytestmark = pytest.mark.skipif(not heap.available(), reason="glibc's allocator only")
 
 # flux-tiny's exact path at 768x768: its full-size maps are 16 channels of float32, 36 MiB
 # each, past glibc's largest mmap threshold (32 MiB)

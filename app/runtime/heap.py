@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import platform
-import threading
 
 log = logging.getLogger("app.runtime.heap")
 
@@ -39,12 +38,18 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 _LIBC = _glibc()
-_reusing = threading.Event()
+_reusing = False  # set once, by ``reuse`` before the service's threads start
+
+
+def available() -> bool:
+    """Whether this process's allocator is glibc's (else both calls do nothing)."""
+    return _LIBC is not None
 
 
 def reuse() -> bool:
     """Keep freed memory in the heap for the next allocation. Call it before the process starts
     its threads (a thread's arena is chosen at its first allocation). Whether it took."""
+    global _reusing
     if _LIBC is None:
         return False
     taken = all(
@@ -56,15 +61,11 @@ def reuse() -> bool:
         )
     )
     if taken:
-        _reusing.set()
+        _reusing = True
         log.info("VAE_HEAP_REUSE: freed memory is reused; its pages go back once the worker idles")
     else:
         log.warning("glibc refused the heap settings: decodes page-fault their maps in")
     return taken
-
-
-def reusing() -> bool:
-    return _reusing.is_set()
 
 
 def release() -> None:
@@ -76,5 +77,5 @@ def release() -> None:
 def release_when_reusing() -> None:
     """The worker's idle hook: with ``reuse``, the pages it kept go back; else glibc has
     already given back what it would."""
-    if reusing():
+    if _reusing:
         release()
