@@ -88,7 +88,9 @@ class Settings(BaseSettings):
     )
     max_output_mb: int = Field(1024, ge=1, description="response body bytes per request, else 413")
     max_decode_mb: int = Field(
-        16384, ge=1, description="the decoder's estimated working memory per request, else 413"
+        16384,
+        ge=1,
+        description="the planned working memory per request, else 413, and per micro-batch",
     )
     body_timeout_s: float = Field(60.0, gt=0, description="whole request body, else 408")
     header_timeout_s: float = Field(10.0, gt=0, description="a request's headers, else 408")

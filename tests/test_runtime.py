@@ -424,6 +424,27 @@ def test_a_batch_window_fills_a_micro_batch_and_vae_batch_rows_shows_it(store):
         assert _sample(url, "vae_batch_rows_bucket", model="faulty", le="4.0") == 1
 
 
+def test_a_micro_batch_plans_no_more_memory_than_one_request_may(store):
+    """VAE_MAX_DECODE_MB bounds a run, not only a request: on the CPU (no device budget) the
+    worker would otherwise batch VAE_BATCH_ROWS requests each at the limit into one decode.
+    Each latent here plans 0.56 MiB against 1 MiB: three requests, three runs of one row."""
+    with live_server(store, device="cpu", dtype="float32", batch_rows=3, max_decode_mb=1,
+                     batch_window_ms=20_000, models="faulty") as url:  # fmt: skip
+        faulty.BATCHES.clear()
+        codes: list[int] = []
+        calls = [
+            threading.Thread(target=lambda t=t: codes.append(post(url, faulty.latent(tag=t, size=12)).status_code))
+            for t in (134.0, 135.0, 136.0)
+        ]  # fmt: skip
+        for t in calls:
+            t.start()
+        for t in calls:
+            t.join(60)
+        assert codes == [200, 200, 200]
+        assert faulty.BATCHES == [1, 1, 1]
+        assert _sample(url, "vae_batch_rows_bucket", model="faulty", le="1.0") == 3
+
+
 def test_without_a_window_the_worker_runs_what_is_queued(store):
     """The default (0 ms): a lone request is decoded at once, in a micro-batch of one."""
     with live_server(store, device="cpu", dtype="float32", models="faulty") as url:

@@ -126,6 +126,12 @@ class VAEEncoder(nn.Module, ABC):
         frames = input_shape[2] if len(input_shape) == 5 else 1
         return pixels * frames * 512 * element_size
 
+    def planned_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
+        """What one ``moments`` is planned to hold beyond the weights (the 413 admission check
+        and a micro-batch's rows): ``working_bytes``, which each family measures on the CPU
+        already (tests/test_encoder_memory.py), so no margin as the decoders' has."""
+        return self.working_bytes(input_shape, element_size)
+
     def probe_input(self, generator: torch.Generator) -> Tensor:
         """A seeded input in [-1, 1] of a representative size, for the parity gate."""
         side = max(self.spatial_scale * 4, 64)

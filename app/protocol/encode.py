@@ -80,7 +80,7 @@ class EncoderGeometry:
             encoder.family,
             encoder.spatial_scale,
             encoder.is_video,
-            lambda shape: encoder.working_bytes(tuple(shape), size),
+            lambda shape: encoder.planned_bytes(tuple(shape), size),
             encoder.frames_problem,
         )
 

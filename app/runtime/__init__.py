@@ -37,6 +37,7 @@ class Runtime:
             settings.oom_fallback,
             settings.device_memory_bytes(),
             settings.max_decode_mpixels << 20,
+            max_planned_bytes=settings.max_decode_mb << 20,
         )
         self.scheduler = Scheduler(
             self.runner,

@@ -6,9 +6,10 @@ chunk for a video) -> the mean or a seeded sample -> scaling and layout -> the l
 Writing the answer (PNG, MP4, tensor bytes) happens elsewhere, off the worker. HTTP and
 ``python -m app decode`` / ``encode`` all come through here.
 
-Memory: on a GPU, ``rows_that_fit`` plans how many rows one run takes within the free memory
-(the scheduler forms micro-batches of at most that many), and a single latent whose estimate
-does not fit is decoded tiled. An actual out-of-memory error climbs one ladder for both
+Memory: ``rows_that_fit`` plans how many rows one run takes (the scheduler forms micro-batches
+of at most that many): on a GPU within the free memory, and a single latent whose estimate does
+not fit is decoded tiled; everywhere within ``max_planned_bytes`` (``VAE_MAX_DECODE_MB``, the
+413's limit per request), so that requests batched together plan no more than one may. An actual out-of-memory error climbs one ladder for both
 directions: split the batch, then tile (where the part tiles), then (only with
 ``VAE_OOM_FALLBACK=cpu``) the float32 CPU path, else ``OutOfMemory`` (503 with Retry-After).
 """
@@ -69,6 +70,7 @@ class Runner:
         memory_cap: int = 0,
         max_decode_pixels: int = 4 << 20,
         budget: int | None = None,
+        max_planned_bytes: int = 16 << 30,
     ) -> None:
         self.metrics = metrics
         # bytes free for one decode, fixed (tests, an emulated card); None: the device's own
@@ -76,6 +78,7 @@ class Runner:
         self.oom_fallback = oom_fallback
         self.memory_cap = memory_cap
         self.max_decode_pixels = max_decode_pixels
+        self.max_planned_bytes = max_planned_bytes  # one run's planned memory, any device
 
     # --- the scheduler's calls: rows, chunks, and what chunks add up to -------------------
     def rows(self, part: ServedPart, request: Request, timer: PhaseTimer) -> list[Tensor]:
@@ -117,18 +120,22 @@ class Runner:
         return self._ladder(model, request.latent, first, run)
 
     def rows_that_fit(self, part: ServedPart, shape: tuple[int, ...]) -> int:
-        """How many rows of ``shape`` one run should take: their estimated working memory
-        within the device's budget, and at most ``max_decode_pixels`` output pixels (past
-        that, a GPU decode gets slower per pixel: docs/BENCHMARKS.md). The scheduler forms
-        micro-batches of at most this many rows; the CPU has no budget."""
+        """How many rows of ``shape`` one run should take: their planned memory within
+        ``max_planned_bytes`` (a micro-batch of several requests plans no more than one request
+        may: without it the CPU would run eight requests at the limit at once); on a GPU also
+        their estimated working memory within the device's budget, and at most
+        ``max_decode_pixels`` output pixels (past that, a GPU decode gets slower per pixel:
+        docs/BENCHMARKS.md). The scheduler forms micro-batches of at most this many rows."""
         module = part.active
+        row = (1, *shape[1:])
+        rows = self.max_planned_bytes // max(module.planned_bytes(row, _element_size(module)), 1)
         budget = self._budget(module)
-        if budget is None:
-            return 1 << 30
-        one = module.working_bytes((1, *shape[1:]), _element_size(module))
-        scale = 1 if isinstance(module, VAEEncoder) else module.spatial_scale
-        pixels = shape[-2] * shape[-1] * scale**2
-        return int(max(1, min(budget // max(one, 1), self.max_decode_pixels // pixels)))
+        if budget is not None:
+            one = module.working_bytes(row, _element_size(module))
+            scale = 1 if isinstance(module, VAEEncoder) else module.spatial_scale
+            pixels = shape[-2] * shape[-1] * scale**2
+            rows = min(rows, budget // max(one, 1), self.max_decode_pixels // pixels)
+        return int(max(1, rows))
 
     # --- encodes ------------------------------------------------------------------------
     def encode_rows(
