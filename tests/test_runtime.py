@@ -146,9 +146,21 @@ def test_a_latent_over_the_budget_is_decoded_tiled_or_refused(runtime, monkeypat
     decode(runtime, rows((0, 0, 86)))
     assert faulty.decoded(86) == [("tiled", 0)]
     monkeypatch.setattr(served.fast, "supports_tiling", False)
-    with pytest.raises(OutOfMemory, match="GiB of device memory"):
+    with pytest.raises(OutOfMemory, match="GiB of host memory"):
         decode(runtime, rows((0, 0, 87)))
     assert faulty.decoded(87) == []  # refused before any decoding
+
+
+def test_the_cpu_plans_into_the_hosts_memory(store):
+    """On the CPU the budget is what the host has available (VAE_DEVICE_MEMORY_GB caps it,
+    less the resident set): with room the latent decodes whole; capped under the process's
+    own resident set, the same latent decodes tiled (one that cannot tile: 503, above)."""
+    for tag, cap_gb, expected in ((137, 0.0, [("fast", 0)]), (138, 0.001, [("tiled", 0)])):
+        settings = Settings(models_dir=store, device="cpu", dtype="bfloat16", models="faulty")
+        runtime = Runtime(settings.model_copy(update={"device_memory_gb": cap_gb}), Metrics())
+        runtime.load_all()
+        decode(runtime, rows((0, 0, tag)))
+        assert faulty.decoded(tag) == expected, cap_gb
 
 
 def test_out_of_memory_splits_the_batch_then_tiles_the_row_that_needs_it(runtime):
@@ -300,10 +312,12 @@ def test_a_compiled_shape_runs_its_graph_and_other_shapes_run_eagerly(runtime):
 
 
 def test_the_worker_forms_micro_batches_of_the_rows_the_runner_plans(runtime, monkeypatch):
-    """One request of 3 rows, a plan of 2 rows per decode (max_decode_pixels): the scheduler
+    """One request of 3 rows, a plan of 2 rows per decode (VAE_MAX_DECODE_MB): the scheduler
     decodes [2, 1] and hands the request all 3 rows, in order."""
+    served = runtime.models["faulty"].active
+    one = served.planned_bytes((1, 4, 4, 4), next(served.parameters()).element_size())
     monkeypatch.setattr(runner_module.devices, "memory_budget", lambda d, c: 1 << 40)
-    monkeypatch.setattr(runtime.runner, "max_decode_pixels", 2 * 32 * 32)  # two latents' worth
+    monkeypatch.setattr(runtime.runner, "max_planned_bytes", 2 * one)  # two latents' worth
     faulty.BATCHES.clear()
     z = rows((0, 0, 88), (0, 0, 89), (0, 0, 90))
     out = scheduled(runtime, z)

@@ -100,10 +100,18 @@ class VAEDecoder(nn.Module, ABC):
 
     def planned_bytes(self, latent_shape: tuple[int, ...], element_size: int) -> int:
         """What one untiled ``decode`` on this copy's device is planned to hold beyond the
-        weights (the 413 admission check): ``working_bytes``, times ``cpu_margin`` on the CPU."""
+        weights (the 413 admission check, a micro-batch's rows): ``working_bytes``; on the CPU
+        times ``cpu_margin``, plus one copy of the largest conv weight (oneDNN re-orders a
+        conv's weight into a buffer of its own on every call: docs/decoders.md)."""
         work = self.working_bytes(latent_shape, element_size)
-        on_cpu = next(self.parameters()).device.type == "cpu"
-        return int(work * self.cpu_margin) if on_cpu else work
+        if next(self.parameters()).device.type != "cpu":
+            return work
+        return int(work * self.cpu_margin) + self.largest_conv_weight()
+
+    def largest_conv_weight(self) -> int:
+        """Bytes of this copy's largest convolution weight."""
+        convs = (m.weight for m in self.modules() if isinstance(m, (nn.Conv2d, nn.Conv3d)))
+        return max((w.numel() * w.element_size() for w in convs), default=0)
 
     def output_values(self, latent_shape: tuple[int, ...]) -> int:
         """Values of ``decode``'s output for a latent of ``latent_shape``."""

@@ -1,5 +1,5 @@
 """The serving device: which one, what it is (the startup log line), its memory (the budget of
-a decode, the ``vae_device_memory_bytes`` gauge), and what its errors mean (out of memory:
+a run, the host's on the CPU, the ``vae_device_memory_bytes`` gauge), and what its errors mean (out of memory:
 retry smaller; a sticky CUDA error: the instance must go)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from app.config import setting
+from app.runtime import host_memory
 
 log = logging.getLogger("app.runtime.device")
 
@@ -118,11 +119,15 @@ def _log_emulated() -> None:
     )
 
 
-def memory_budget(device: torch.device, cap_bytes: int = 0) -> int | None:
-    """Bytes one decode may still take on ``device``: what the driver has free plus what
-    torch holds unused, within ``cap_bytes`` (0 = the card). None on the CPU (no budget)."""
+def memory_budget(device: torch.device, cap_bytes: int = 0) -> int:
+    """Bytes one run may still take on ``device``, within ``cap_bytes`` (0: no cap). A GPU:
+    what the driver has free plus what torch holds unused, the cap less what torch holds. The
+    CPU: what the host (its cgroup) has available, the cap less the resident set."""
     if device.type != "cuda":
-        return None
+        budget = host_memory.available()
+        if cap_bytes:
+            budget = min(budget, cap_bytes - host_memory.resident())
+        return max(0, budget)
     free, total = torch.cuda.mem_get_info(device)
     held_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     budget = free + held_unused

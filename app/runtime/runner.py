@@ -7,9 +7,10 @@ Writing the answer (PNG, MP4, tensor bytes) happens elsewhere, off the worker. H
 ``python -m app decode`` / ``encode`` all come through here.
 
 Memory: ``rows_that_fit`` plans how many rows one run takes (the scheduler forms micro-batches
-of at most that many): on a GPU within the free memory, and a single latent whose estimate does
-not fit is decoded tiled; everywhere within ``max_planned_bytes`` (``VAE_MAX_DECODE_MB``, the
-413's limit per request), so that requests batched together plan no more than one may. An actual out-of-memory error climbs one ladder for both
+of at most that many) within ``max_planned_bytes`` (``VAE_MAX_DECODE_MB``, the 413's limit per
+request: requests batched together plan no more than one may) and within the free memory (the
+device's; on the CPU what the host, its cgroup, has available); a single latent whose plan does
+not fit is decoded tiled, else refused (503). An actual out-of-memory error climbs one ladder for both
 directions: split the batch, then tile (where the part tiles), then (only with
 ``VAE_OOM_FALLBACK=cpu``) the float32 CPU path, else ``OutOfMemory`` (503 with Retry-After).
 """
@@ -121,20 +122,16 @@ class Runner:
 
     def rows_that_fit(self, part: ServedPart, shape: tuple[int, ...]) -> int:
         """How many rows of ``shape`` one run should take: their planned memory within
-        ``max_planned_bytes`` (a micro-batch of several requests plans no more than one request
-        may: without it the CPU would run eight requests at the limit at once); on a GPU also
-        their estimated working memory within the device's budget, and at most
-        ``max_decode_pixels`` output pixels (past that, a GPU decode gets slower per pixel:
-        docs/BENCHMARKS.md). The scheduler forms micro-batches of at most this many rows."""
+        ``max_planned_bytes`` (rows batched together plan no more than one request may) and
+        within the device's budget (the free GPU memory, the host's on the CPU); on a GPU at
+        most ``max_decode_pixels`` output pixels too (past that, a GPU decode gets slower per
+        pixel: docs/BENCHMARKS.md). The scheduler forms micro-batches of at most this many."""
         module = part.active
-        row = (1, *shape[1:])
-        rows = self.max_planned_bytes // max(module.planned_bytes(row, _element_size(module)), 1)
-        budget = self._budget(module)
-        if budget is not None:
-            one = module.working_bytes(row, _element_size(module))
+        one = _planned(module, (1, *shape[1:]))
+        rows = min(self.max_planned_bytes, self._budget(module)) // max(one, 1)
+        if _device_of(module).type != "cpu":
             scale = 1 if isinstance(module, VAEEncoder) else module.spatial_scale
-            pixels = shape[-2] * shape[-1] * scale**2
-            rows = min(rows, budget // max(one, 1), self.max_decode_pixels // pixels)
+            rows = min(rows, self.max_decode_pixels // (shape[-2] * shape[-1] * scale**2))
         return int(max(1, rows))
 
     # --- encodes ------------------------------------------------------------------------
@@ -241,33 +238,33 @@ class Runner:
         return self._ladder(part, x, nxt, run)
 
     def _first_attempt(self, part: ServedPart, x: Any, asked: bool | None = None) -> Attempt:
-        """The served module, untiled on a GPU when the estimate fits the free memory.
-        ``asked``: the caller's own ``tiled`` option (then it decides)."""
+        """The served module when its planned memory fits the budget (on a GPU untiled; on the
+        CPU the family's own default, where the gate checked its tiles), else tiled, else
+        ``OutOfMemory``. ``asked``: the caller's own ``tiled`` option (then it decides)."""
         module, graph = part.active, part.compiled.get(tuple(x.shape))
         tiles = getattr(module, "supports_tiling", False)
         if asked is not None:
             return Attempt(part.decoder_for(asked), None, "served")
-        budget = self._budget(module)
-        if budget is None:  # CPU: the family's own default, where the gate checked its tiles
-            untiled = tiles and module is not part.decoder_for(True)
-            return Attempt(module, False if untiled else None, "served", graph)
-        one = module.working_bytes((1, *x.shape[1:]), _element_size(module))
+        budget, one = self._budget(module), _planned(module, (1, *x.shape[1:]))
+        on_cpu = _device_of(module).type == "cpu"
         if one <= budget:
-            return Attempt(module, False if tiles else None, "served", graph)
+            untiled = tiles and (not on_cpu or module is not part.decoder_for(True))
+            return Attempt(module, False if untiled else None, "served", graph)
         if tiles:
             return Attempt(part.decoder_for(True), True, "tiled")
         raise OutOfMemory(
-            f"this {part.part} run needs about {one / 2**30:.1f} GiB of device memory; "
-            f"{budget / 2**30:.1f} GiB is free"
+            f"this {part.part} run needs about {one / 2**30:.1f} GiB of "
+            f"{'host' if on_cpu else 'device'} memory; {budget / 2**30:.1f} GiB is free"
         )
 
-    def _budget(self, module: nn.Module) -> int | None:
-        """The share of free device memory a decode is planned into: near the limit the
-        caching allocator has to free and retry, which costs more than a split."""
+    def _budget(self, module: nn.Module) -> int:
+        """The share of the free memory (the device's; the host's on the CPU) one run is
+        planned into: near the limit a caching allocator has to free and retry, which costs
+        more than a split, and a CPU process keeps more resident than it plans."""
         budget = self.budget
         if budget is None:
             budget = devices.memory_budget(_device_of(module), self.memory_cap)
-        return None if budget is None else int(budget * PLANNING_SHARE)
+        return int(budget * PLANNING_SHARE)
 
     def _next_attempt(self, part: ServedPart, attempt: Attempt) -> Attempt:
         if getattr(attempt.decoder, "supports_tiling", False) and attempt.tiled is not True:
@@ -424,6 +421,12 @@ def _dtype_of(module: nn.Module) -> torch.dtype:
 
 def _element_size(module: nn.Module) -> int:
     return next(module.parameters()).element_size()
+
+
+def _planned(module: Any, shape: tuple[int, ...]) -> int:
+    """What one run of ``module`` on an input of ``shape`` is planned to hold (the 413's
+    estimate: on the CPU the decoders' margin included)."""
+    return module.planned_bytes(shape, _element_size(module))
 
 
 class _DeviceClip:

@@ -57,6 +57,7 @@ class Decoder(Architecture, VAEDecoder):
     is_video = True
     native_size = (512, 768)  # LTX-Video 0.9.x (LTX-2 renders larger)
     supports_tiling = True  # blended spatial tiles: approximate, never on by default
+    cpu_margin = 1.4  # the resident set's growth in bf16 at full width (docs/decoders.md)
     winograd_max_channels = 256  # CPU fast path: the 512/1024-channel convs stay direct
 
     def __init__(self, config: dict[str, Any]) -> None:
