@@ -131,7 +131,7 @@ def scheduled(
 
 def test_a_batch_over_the_budget_is_split_before_decoding(runtime, monkeypatch):
     served = runtime.models["faulty"]
-    one = served.fast.working_bytes((1, 4, 4, 4), 2)
+    one = served.fast.planned_bytes((1, 4, 4, 4), 2)
     monkeypatch.setattr(runner_module.devices, "memory_budget", lambda d, c: int(2.5 * one))
     faulty.BATCHES.clear()
     out = scheduled(runtime, rows((0, 0, 81), (0, 0, 82), (0, 0, 83), (0, 0, 84), (0, 0, 85)))
