@@ -146,7 +146,7 @@ def test_a_latent_over_the_budget_is_decoded_tiled_or_refused(runtime, monkeypat
     decode(runtime, rows((0, 0, 86)))
     assert faulty.decoded(86) == [("tiled", 0)]
     monkeypatch.setattr(served.fast, "supports_tiling", False)
-    with pytest.raises(OutOfMemory, match="GiB of host memory"):
+    with pytest.raises(OutOfMemory, match="MiB of host memory"):
         decode(runtime, rows((0, 0, 87)))
     assert faulty.decoded(87) == []  # refused before any decoding
 

@@ -253,8 +253,8 @@ class Runner:
         if tiles:
             return Attempt(part.decoder_for(True), True, "tiled")
         raise OutOfMemory(
-            f"this {part.part} run needs about {one / 2**30:.1f} GiB of "
-            f"{'host' if on_cpu else 'device'} memory; {budget / 2**30:.1f} GiB is free"
+            f"this {part.part} run needs about {one >> 20} MiB of "
+            f"{'host' if on_cpu else 'device'} memory; {budget >> 20} MiB is free to plan into"
         )
 
     def _budget(self, module: nn.Module) -> int:
