@@ -1,6 +1,6 @@
 """The serving device: which one, what it is (the startup log line), its memory (the budget of
-a run, the host's on the CPU, the ``vae_device_memory_bytes`` gauge), and what its errors mean (out of memory:
-retry smaller; a sticky CUDA error: the instance must go)."""
+a run, the host's on the CPU; the ``vae_device_memory_bytes`` gauge), and what its errors mean
+(out of memory: retry smaller; a sticky CUDA error: the instance must go)."""
 
 from __future__ import annotations
 
