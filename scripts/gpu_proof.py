@@ -157,6 +157,8 @@ class Proof:
             "machine": common.machine(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
             "quick": quick,
+            # the CPU's bf16 measured here (timed, so it can differ from another process's)
+            "cpu_offers_bf16": devices.cpu_offers_bf16() if device.type == "cpu" else None,
             "gate": [],
             "flux": [],
             "e2e": [],
