@@ -144,8 +144,9 @@ def peak_rss_child(module: str, args: list[str]) -> dict:
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    from app.runtime import host_memory
+
+    return host_memory.resident()
 
 
 def reset_peak_rss() -> None:

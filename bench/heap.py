@@ -19,17 +19,8 @@ import json
 import resource
 import threading
 import time
-from pathlib import Path
 
 VARIANTS = ("glibc", "reuse")
-
-
-def _status(key: str) -> int:
-    """A /proc/self/status size field, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) << 10
-    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 def measure(name: str, scale: str, mode: str, repeats: int) -> dict:
@@ -37,7 +28,7 @@ def measure(name: str, scale: str, mode: str, repeats: int) -> dict:
     import torch
 
     from app.runtime import heap, modes
-    from bench import table
+    from bench import common, table
 
     setup = table.setups()[name](scale)
     served, decode, _ = setup.served(lambda reference: modes.Mode(modes.DTYPES[mode]))
@@ -47,8 +38,8 @@ def measure(name: str, scale: str, mode: str, repeats: int) -> dict:
         with torch.inference_mode():
             decode()
             heap.release()
-            base = _status("VmRSS")
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
+            base = common.rss_bytes()
+            common.reset_peak_rss()  # VmHWM from here
             seconds = []
             for _ in range(repeats):
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -56,7 +47,7 @@ def measure(name: str, scale: str, mode: str, repeats: int) -> dict:
                 decode()
                 seconds.append(time.perf_counter() - start)
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-            out.update(seconds=min(seconds), faults=faults, grew=_status("VmHWM") - base)
+            out.update(seconds=min(seconds), faults=faults, grew=common.peak_rss_bytes() - base)
 
     worker = threading.Thread(target=work)
     worker.start()

@@ -15,20 +15,13 @@ from __future__ import annotations
 import json
 import sys
 import threading
-from pathlib import Path
 
 import torch
 
 from app.families import family
 from app.runtime import heap
+from bench import common
 from tests.cpu_memory import served_zeroed
-
-
-def status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) << 10
-    raise RuntimeError(f"no {key} in /proc/self/status")
 
 
 def grown(key: str, config: dict, shape: tuple[int, ...], mode: str) -> dict:
@@ -43,10 +36,10 @@ def grown(key: str, config: dict, shape: tuple[int, ...], mode: str) -> dict:
         with torch.inference_mode():
             decoder.decode(z)
             heap.release()
-            base = status("VmRSS")
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
+            base = common.rss_bytes()
+            common.reset_peak_rss()  # VmHWM from here
             decoder.decode(z)
-            out["grew"] = status("VmHWM") - base
+            out["grew"] = common.peak_rss_bytes() - base
         out["planned"] = decoder.planned_bytes(shape, z.element_size())
 
     worker = threading.Thread(target=work)

@@ -137,7 +137,7 @@ def test_the_default_caps_refuse_the_attacks_ltx_request_and_keep_ordinary_ones(
     with pytest.raises(ProtocolError, match="the response would be 12336.0 MiB"):
         check_declared(largest, "tensor/binary", geo, limits, Output.UNIT_TENSOR)
     # streamed, the response is not held: only the decoder's own estimate can refuse it
-    work = geo.working_bytes((1, 128, 33, 64, 64))
+    work = geo.planned_bytes((1, 128, 33, 64, 64))
     if work <= limits.max_decode_bytes:
         check_declared(largest, "tensor/binary", geo, limits, Output.MP4)
     else:

@@ -70,7 +70,7 @@ class EncoderGeometry:
     family: str
     spatial_scale: int
     is_video: bool
-    working_bytes: Callable[[tuple[int, ...]], int]
+    planned_bytes: Callable[[tuple[int, ...]], int]
     frames_problem: Callable[[int], str] = lambda frames: ""  # "": encodable
 
     @classmethod
@@ -257,7 +257,7 @@ def _check_size(b: int, frames: int, h: int, w: int, geo: EncoderGeometry, limit
     if frames > limits.max_frames:
         raise ProtocolError(413, f"{frames} input frames exceed the limit {limits.max_frames}")
     shape = (b, 3, frames, h, w) if geo.is_video and frames > 1 else (b, 3, h, w)
-    work = geo.working_bytes(shape)
+    work = geo.planned_bytes(shape)
     if work > limits.max_decode_bytes:
         raise ProtocolError(
             413,

@@ -60,7 +60,7 @@ class ModelGeometry:
     is_video: bool
     frames_out: Callable[[int], int]  # latent frames -> output frames
     # latent shape (batch included) -> the decoder's planned working bytes on its device
-    working_bytes: Callable[[tuple[int, ...]], int] = lambda shape: 0
+    planned_bytes: Callable[[tuple[int, ...]], int] = lambda shape: 0
     fps: float | None = None  # the model's own MP4 frame rate, if its config has one
 
     @classmethod
@@ -198,7 +198,7 @@ def check_shape(
             "a smaller latent, fewer frames, or output_type=mp4 / partial_postprocess=true",
         )
     # the decoder's own estimate (the runner plans with the same one); an MP4 streams one video
-    work = 0 if kind is Output.PREVIEW else geo.working_bytes(tuple(shape))  # no decoder
+    work = 0 if kind is Output.PREVIEW else geo.planned_bytes(tuple(shape))  # no decoder
     if work > limits.max_decode_bytes:
         raise ProtocolError(
             413,

@@ -169,7 +169,7 @@ class DecoderProbes(Probes):
         weights = sum(p.numel() * 4 for p in reference.parameters())
         needed = weights + reference.working_bytes(tuple(self.full.shape), 4)
         budget = devices.memory_budget(device, self.memory_cap)
-        if budget is not None and needed > budget:
+        if needed > budget:
             self.full_skipped = f"needs {needed / 2**30:.1f} GiB, {budget / 2**30:.1f} GiB free"
             return None
         exact = modes.build(reference, device, modes.Mode(torch.float32, optimized=False))

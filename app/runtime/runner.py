@@ -10,8 +10,8 @@ Memory: ``rows_that_fit`` plans how many rows one run takes (the scheduler forms
 of at most that many) within ``max_planned_bytes`` (``VAE_MAX_DECODE_MB``, the 413's limit per
 request: requests batched together plan no more than one may) and within the free memory (the
 device's; on the CPU what the host, its cgroup, has available); a single latent whose plan does
-not fit is decoded tiled, else refused (503). An actual out-of-memory error climbs one ladder for both
-directions: split the batch, then tile (where the part tiles), then (only with
+not fit is decoded tiled, else refused (503). An actual out-of-memory error climbs one ladder
+for both directions: split the batch, then tile (where the part tiles), then (only with
 ``VAE_OOM_FALLBACK=cpu``) the float32 CPU path, else ``OutOfMemory`` (503 with Retry-After).
 """
 
