@@ -1,10 +1,13 @@
 """TAEF2's real weights on real photos, through the whole live path.
 
 The checkpoint goes in with the real CLI (``python -m app import taesd``), a uvicorn server
-serves the store, each photo in ``../shared/data`` is encoded with TAEF2's own encoder (test
+serves the store, a photo from ``../shared/data`` is encoded with TAEF2's own encoder (test
 code only), and the latent comes back over HTTP as PNG (diffusers' ``remote_decode``), JPEG
 and WebP. The PNG must score >= 28 dB PSNR against the original photo; the lossy formats at
-most a few dB below it. Skips when ``../shared`` is absent (a user's clone).
+most a few dB below it. One photo, the smallest (the path is the same for any; every photo's
+round trip is scored in-process: tests/test_taesd.py); its odd 451x300 size also checks that
+the response is the padded latent's size, 456x304. Skips when ``../shared`` is absent (a
+user's clone).
 """
 
 from __future__ import annotations
@@ -25,12 +28,9 @@ from tests.helpers import psnr
 from tests.live import cli_import, live_server
 from tests.taef2_encoder import load_encoder
 
-PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png"]
-PNG_MIN_DB = 28.0  # the in-process float round trip scores 29.6-32.7 dB on these photos
+PHOTO = "chelsea.png"
+PNG_MIN_DB = 28.0  # the in-process float round trip scores 29.6-32.7 dB on the photos
 LOSSY_MAX_DROP_DB = 3.0  # JPEG/WebP at the service's default quality (90)
-# JPEG and WebP on the smallest photo only (the CPU budget); its odd 451x300 size also checks
-# that the response is the padded latent's size, 456x304.
-LOSSY_PHOTOS = {"chelsea.png"}
 PHASES = ["parse", "clamp", "conv_in", "mid", "up_0", "up_1", "up_2", "conv_out", "encode"]
 
 
@@ -49,18 +49,15 @@ def server(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def photos() -> dict[str, tuple[np.ndarray, torch.Tensor]]:
-    """photo -> (original uint8 HxWx3, TAEF2 latent of the photo replicate-padded to 8x)."""
+def photo() -> tuple[np.ndarray, torch.Tensor]:
+    """The original uint8 HxWx3 and the TAEF2 latent of the photo replicate-padded to 8x."""
     encoder = load_encoder(shared_path("weights", "taef2", "taef2_encoder.pth"))
-    out = {}
-    for name in PHOTOS:
-        img = np.array(Image.open(shared_path("data", name)).convert("RGB"))
-        x = torch.from_numpy(img).permute(2, 0, 1)[None].float() / 255
-        h, w = x.shape[-2:]
-        x = F.pad(x, (0, -w % 8, 0, -h % 8), mode="replicate")
-        with torch.no_grad():
-            out[name] = (img, encoder(x).contiguous())
-    return out
+    img = np.array(Image.open(shared_path("data", PHOTO)).convert("RGB"))
+    x = torch.from_numpy(img).permute(2, 0, 1)[None].float() / 255
+    h, w = x.shape[-2:]
+    x = F.pad(x, (0, -w % 8, 0, -h % 8), mode="replicate")
+    with torch.no_grad():
+        return img, encoder(x).contiguous()
 
 
 def _crop_score(image: Image.Image, img: np.ndarray, z: torch.Tensor) -> float:
@@ -82,9 +79,8 @@ def _post(url: str, z: torch.Tensor, params: dict, headers: dict | None = None):
     return r
 
 
-@pytest.mark.parametrize("photo", PHOTOS)
-def test_real_photo_through_http(server, photos, photo: str) -> None:
-    img, z = photos[photo]
+def test_real_photo_through_http(server, photo) -> None:
+    img, z = photo
     h, w = img.shape[:2]
     # PNG through diffusers' own client, exactly as a sampler would call it.
     png = remote_decode(
@@ -99,7 +95,7 @@ def test_real_photo_through_http(server, photos, photo: str) -> None:
         ("jpg", {"output_type": "pil", "image_format": "jpg"}, None, "JPEG"),
         ("webp", {"output_type": "pil"}, {"Accept": "image/webp"}, "WEBP"),
     )
-    for fmt, params, headers, pil_name in lossy if photo in LOSSY_PHOTOS else ():
+    for fmt, params, headers, pil_name in lossy:
         r = _post(f"{server}/decode/taef2", z, params, headers)
         assert r.headers["content-type"] == {"jpg": "image/jpeg", "webp": "image/webp"}[fmt]
         timing = r.headers["Server-Timing"]
@@ -108,7 +104,7 @@ def test_real_photo_through_http(server, photos, photo: str) -> None:
         image = Image.open(io.BytesIO(r.content))
         assert image.format == pil_name
         scores[fmt] = _crop_score(image, img, z)
-    print(f"{photo} {w}x{h} via HTTP: " + ", ".join(f"{k} {v:.2f} dB" for k, v in scores.items()))
+    print(f"{PHOTO} {w}x{h} via HTTP: " + ", ".join(f"{k} {v:.2f} dB" for k, v in scores.items()))
     assert png_db >= PNG_MIN_DB
     for fmt in set(scores) - {"png"}:
         assert scores[fmt] >= png_db - LOSSY_MAX_DROP_DB, (fmt, scores)
