@@ -180,7 +180,7 @@ def test_every_refusal_body_fits_the_error_schema(spec):
     from app.http.auth import _refusal
     from app.http.errors import deadline_error, runtime_error
     from app.http.timeouts import MALFORMED_BODY, TIMEOUT_RESPONSE, shutdown_response
-    from app.runtime.runner import InvalidInput, NonFiniteOutput, OutOfMemory
+    from app.runtime.runner import InvalidInput, NonFiniteOutput, OutOfMemory, TooLarge
     from app.runtime.scheduler import DeadlineExceeded, DeviceLost, QueueFull, Stopped
 
     errors = _validator(spec, "Error")
@@ -194,6 +194,7 @@ def test_every_refusal_body_fits_the_error_schema(spec):
             InvalidInput("no"),
             NonFiniteOutput("nan"),
             OutOfMemory("oom"),
+            TooLarge("big"),
             RuntimeError("bug"),
         )
     ]

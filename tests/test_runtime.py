@@ -17,16 +17,18 @@ import torch
 from torch import nn
 
 from app.config import Settings
+from app.families.minimax_h3 import decoder as minimax_h3
 from app.protocol.request import DecodeRequest, Output
 from app.runtime import Job, Runtime
 from app.runtime import runner as runner_module
 from app.runtime.runner import OutOfMemory
 from app.runtime.scheduler import Scheduler
+from app.store import load_model
 from app.telemetry import timing
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
 from tests import faulty, launch
-from tests.live import live_server
+from tests.live import bake, live_server
 from tests.mp4_client import ffmpeg_children
 
 
@@ -161,6 +163,32 @@ def test_the_cpu_plans_into_the_hosts_memory(store):
         runtime.load_all()
         decode(runtime, rows((0, 0, tag)))
         assert faulty.decoded(tag) == expected, cap_gb
+
+
+def test_a_run_that_never_fits_the_host_is_413_one_that_may_later_503(tmp_path):
+    """A part that cannot tile (MiniMax-H3's image decoder), the CPU capped well under the
+    process's resident set: a run that would fit the cap holding nothing but its weights may
+    fit later (503 + Retry-After); one larger than that never fits this instance (413)."""
+    bake(tmp_path, "minimax-h3", "mm", minimax_h3.SYNTHETIC["minimax-h3-image-tiny"])
+    _, decoder = load_model(tmp_path, "mm")
+    small, large = torch.zeros(1, 24, 8, 8), torch.zeros(1, 24, 32, 32)
+    plan = decoder.planned_bytes(tuple(small.shape), 4)
+    weights = sum(t.numel() * t.element_size() for t in decoder.state_dict().values())
+    assert decoder.planned_bytes(tuple(large.shape), 4) > 4 * plan  # over the capacity below
+    cap_gb = (weights + 3 * plan) / 2**30  # capacity 0.8 x 3 plans; resident far above it
+    for cap, z, status in ((cap_gb, small, 503), (cap_gb, large, 413), (0.0, large, 200)):
+        with live_server(tmp_path, device="cpu", dtype="float32", device_memory_gb=cap) as url:
+            r = requests.post(
+                f"{url}/decode/mm",
+                params={"shape": json.dumps(list(z.shape)), "dtype": "float32"},
+                data=z.numpy().tobytes(),
+                headers={"Content-Type": "tensor/binary"},
+                timeout=60,
+            )
+        assert r.status_code == status, (cap, r.text[:300])
+        if status != 200:
+            assert "MiB of host memory" in r.json()["error"]
+            assert ("retry-after" in r.headers) is (status == 503)
 
 
 def test_out_of_memory_splits_the_batch_then_tiles_the_row_that_needs_it(runtime):

@@ -15,7 +15,7 @@ from starlette.types import Scope
 
 from app.protocol import ProtocolError, echo
 from app.runtime.device import is_oom
-from app.runtime.runner import InvalidInput, NonFiniteOutput, OutOfMemory
+from app.runtime.runner import InvalidInput, NonFiniteOutput, OutOfMemory, TooLarge
 from app.runtime.scheduler import DeadlineExceeded, DeviceLost, QueueFull, Stopped, StreamsFull
 
 CLIENT_GONE = 499  # nginx's "client closed request": logged and counted, never sent
@@ -51,6 +51,8 @@ def runtime_error(exc: BaseException, model: str, part: str = "decoder") -> Prot
         return ProtocolError(422, f"the encoder refused the input: {exc}"[:300], "see /models")
     if isinstance(exc, NonFiniteOutput):
         return ProtocolError(422, str(exc), "a latent and factors in the decoder's range")
+    if isinstance(exc, TooLarge):
+        return ProtocolError(413, f"too large for this instance: {exc}"[:300], "a smaller latent")
     if isinstance(exc, OutOfMemory) or is_oom(exc):
         return ProtocolError(503, f"out of memory: {exc}"[:300], "a smaller latent, or retry")
     return ProtocolError(  # a server fault, not bad input: 503, and the worker goes on

@@ -364,7 +364,8 @@ def run_errors(op: str, named: bool) -> dict[str, Any]:
         "413": error(
             "over a limit: the body (VAE_MAX_BODY_MB, VAE_BODIES_MB), the batch, pixels or "
             f"frames (VAE_MAX_BATCH, VAE_MAX_PIXELS, VAE_MAX_FRAMES), the {part}'s working "
-            "memory (VAE_MAX_DECODE_MB), the answer (VAE_MAX_OUTPUT_MB)"
+            "memory (VAE_MAX_DECODE_MB, or more than the instance's memory could ever hold for "
+            "one run), the answer (VAE_MAX_OUTPUT_MB)"
         ),
         "415": error(
             "a Content-Type the route does not read, a compressed body (Content-Encoding), or "

@@ -136,6 +136,16 @@ def memory_budget(device: torch.device, cap_bytes: int = 0) -> int:
     return max(0, budget)
 
 
+def memory_capacity(device: torch.device, cap_bytes: int = 0) -> int:
+    """Bytes ``device`` has at all, within ``cap_bytes`` (0: no cap): a GPU's total memory;
+    the CPU's, the host's within its cgroup's limit."""
+    if device.type != "cuda":
+        total = host_memory.total()
+    else:
+        total = torch.cuda.mem_get_info(device)[1]
+    return min(total, cap_bytes) if cap_bytes else total
+
+
 def is_oom(exc: BaseException) -> bool:
     """A device out-of-memory error, or the CPU allocator's (a plain RuntimeError)."""
     if isinstance(exc, torch.OutOfMemoryError):

@@ -19,8 +19,15 @@ UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
 def available() -> int:
     """Bytes this process may still take before the kernel (or its cgroup) runs out."""
     free = _meminfo("MemAvailable")
-    limit = _cgroup_room()
-    return max(0, free if limit is None else min(free, limit))
+    cgroup = _cgroup()
+    return max(0, free if cgroup is None else min(free, cgroup[0] - cgroup[1]))
+
+
+def total() -> int:
+    """Bytes the host gives this process at most: its memory, within the cgroup's limit."""
+    memory = _meminfo("MemTotal")
+    cgroup = _cgroup()
+    return memory if cgroup is None else min(memory, cgroup[0])
 
 
 def resident() -> int:
@@ -36,8 +43,9 @@ def _meminfo(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/meminfo")
 
 
-def _cgroup_room() -> int | None:
-    """The cgroup's limit less its working set; None without a limit (or a readable one)."""
+def _cgroup() -> tuple[int, int] | None:
+    """The cgroup's limit and working set (its usage less the inactive file pages); None
+    without a limit (or a readable one)."""
     for limit_file, usage_file, inactive in (
         ("memory.max", "memory.current", "inactive_file"),  # v2
         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes", "total_inactive_file"),
@@ -50,7 +58,7 @@ def _cgroup_room() -> int | None:
         if text == "max" or int(text) >= UNLIMITED:
             return None
         stat = (CGROUP / limit_file).with_name("memory.stat")
-        return int(text) - (usage - _stat(stat, inactive))
+        return int(text), usage - _stat(stat, inactive)
     return None
 
 

@@ -10,9 +10,11 @@ Memory: ``rows_that_fit`` plans how many rows one run takes (the scheduler forms
 of at most that many) within ``max_planned_bytes`` (``VAE_MAX_DECODE_MB``, the 413's limit per
 request: requests batched together plan no more than one may) and within the free memory (the
 device's; on the CPU what the host, its cgroup, has available); a single latent whose plan does
-not fit is decoded tiled, else refused (503). An actual out-of-memory error climbs one ladder
-for both directions: split the batch, then tile (where the part tiles), then (only with
-``VAE_OOM_FALLBACK=cpu``) the float32 CPU path, else ``OutOfMemory`` (503 with Retry-After).
+not fit is decoded tiled, else refused: ``TooLarge`` (413) where it would not fit the device
+holding nothing but the part's weights, else ``OutOfMemory`` (503: it may fit later). An actual
+out-of-memory error climbs one ladder for both directions: split the batch, then tile (where
+the part tiles), then (only with ``VAE_OOM_FALLBACK=cpu``) the float32 CPU path, else
+``OutOfMemory`` (503 with Retry-After).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ PLANNING_SHARE = 0.8  # of the free device memory (measured: docs/BENCHMARKS.md,
 
 class OutOfMemory(Exception):
     """No way of decoding this latent fits the device's memory now (503, Retry-After)."""
+
+
+class TooLarge(Exception):
+    """This run cannot fit the device's memory even with nothing else resident (413)."""
 
 
 class NonFiniteOutput(Exception):
@@ -240,7 +246,8 @@ class Runner:
     def _first_attempt(self, part: ServedPart, x: Any, asked: bool | None = None) -> Attempt:
         """The served module when its planned memory fits the budget (on a GPU untiled; on the
         CPU the family's own default, where the gate checked its tiles), else tiled, else
-        ``OutOfMemory``. ``asked``: the caller's own ``tiled`` option (then it decides)."""
+        ``TooLarge`` (it never fits) or ``OutOfMemory`` (not now). ``asked``: the caller's own
+        ``tiled`` option (then it decides)."""
         module, graph = part.active, part.compiled.get(tuple(x.shape))
         tiles = getattr(module, "supports_tiling", False)
         if asked is not None:
@@ -252,10 +259,12 @@ class Runner:
             return Attempt(module, False if untiled else None, "served", graph)
         if tiles:
             return Attempt(part.decoder_for(True), True, "tiled")
-        raise OutOfMemory(
-            f"this {part.part} run needs about {one >> 20} MiB of "
-            f"{'host' if on_cpu else 'device'} memory; {budget >> 20} MiB is free to plan into"
-        )
+        where = "host" if on_cpu else "device"
+        memory = f"this {part.part} run needs about {_mib(one)} of {where} memory"
+        capacity = self._capacity(module)
+        if one > capacity:
+            raise TooLarge(f"{memory}; the {where} has at most {_mib(capacity)} for one run")
+        raise OutOfMemory(f"{memory}; {_mib(budget)} is free to plan into now")
 
     def _budget(self, module: nn.Module) -> int:
         """The share of the free memory (the device's; the host's on the CPU) one run is
@@ -265,6 +274,16 @@ class Runner:
         if budget is None:
             budget = devices.memory_budget(_device_of(module), self.memory_cap)
         return int(budget * PLANNING_SHARE)
+
+    def _capacity(self, module: nn.Module) -> int:
+        """The share of the device's whole memory (the host's on the CPU) less the part's
+        weights: what one run could plan into with nothing else resident, the most any budget
+        can be."""
+        if self.budget is not None:
+            return int(self.budget * PLANNING_SHARE)
+        total = devices.memory_capacity(_device_of(module), self.memory_cap)
+        weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        return int((total - weights) * PLANNING_SHARE)
 
     def _next_attempt(self, part: ServedPart, attempt: Attempt) -> Attempt:
         if getattr(attempt.decoder, "supports_tiling", False) and attempt.tiled is not True:
@@ -409,6 +428,10 @@ def _download(x: Tensor) -> Tensor:
 
 def _tiled(decoder: VAEDecoder, tiled: bool | None) -> dict[str, Any]:
     return {"tiled": tiled} if decoder.supports_tiling and tiled is not None else {}
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 def _device_of(module: nn.Module) -> torch.device:

@@ -40,11 +40,12 @@ from app.protocol.request import DecodeRequest, EncodeRequest
 from app.runtime import device as devices
 from app.runtime.channel import FrameChannel
 from app.runtime.parts import ENCODER, ServedPart
-from app.runtime.runner import Runner
+from app.runtime.runner import InvalidInput, NonFiniteOutput, Runner, TooLarge
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime.scheduler")
+REFUSALS = (TooLarge, InvalidInput, NonFiniteOutput)  # answered 413 / 422
 
 
 class QueueFull(Exception):
@@ -412,8 +413,10 @@ class Scheduler:
     def _failed(self, batch: list[Job], exc: BaseException) -> None:
         if self._lost(exc):
             exc = DeviceLost(self.device_lost)
-        else:
-            log.error("%s failed for model %s: %s", batch[0].part.part, batch[0].part.name, exc)
+        else:  # a refusal of the request's own input (a 4xx) is not the service's fault
+            level = logging.WARNING if isinstance(exc, REFUSALS) else logging.ERROR
+            part = batch[0].part
+            log.log(level, "%s failed for model %s: %s", part.part, part.name, exc)
         for job in batch:
             fail(job, exc)
 
