@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # imported where used: the command line reads settings withou
 # limit of 31 MiB leaves the request line and headers room, so every body the service admits
 # passes the front end (deploy/README.md, "Request size and HTTP/2").
 CLOUD_RUN_REQUEST_MB = 32
+# what the largest input one request holds is (Settings.input_mb)
+INPUT_MB_WHY = "a VAE_MAX_BODY_MB body of half floats parsed to float32, or a VAE_MAX_PIXELS image"
 
 
 class Settings(BaseSettings):
@@ -82,9 +84,10 @@ class Settings(BaseSettings):
     bodies_mb: int = Field(
         1024,
         ge=1,
-        description="request body bytes in flight at once, all requests together: reserved "
-        "before a body is read (by its Content-Length; a chunked one as it grows), else 429, "
-        "or 413 for a body larger than this",
+        description="request inputs held at once, all requests together: a body reserved "
+        "before it is read (by its Content-Length; a chunked one as it grows), then what it "
+        "was parsed into (a latent, pixels) until its request ends; else 429, or 413 for one "
+        "larger than this",
     )
     max_output_mb: int = Field(1024, ge=1, description="response body bytes per request, else 413")
     max_decode_mb: int = Field(
@@ -189,11 +192,11 @@ class Settings(BaseSettings):
                 "queue_depth": (n, f"VAE_CONCURRENCY={n}", f"{n} requests may all be queued"),
                 # every request admitted may be an MP4 stream
                 "streams_max": (n, f"VAE_CONCURRENCY={n}", f"{n} requests may all be MP4s"),
-                # every request admitted may be uploading a body of the largest size at once
+                # every request admitted may hold the largest input at once
                 "bodies_mb": (
-                    n * self.max_body_mb,
-                    f"VAE_CONCURRENCY={n} x VAE_MAX_BODY_MB={self.max_body_mb}",
-                    f"{n} bodies of the largest size may arrive at once",
+                    n * self.input_mb(),
+                    f"VAE_CONCURRENCY={n} x {self.input_mb()} MiB",
+                    f"{n} requests may each hold the largest input ({INPUT_MB_WHY})",
                 ),
             }
             for name, (need, why, what) in needs.items():
@@ -207,6 +210,12 @@ class Settings(BaseSettings):
         if conflicts:
             raise ValueError("; ".join(conflicts))
         return self
+
+    def input_mb(self) -> int:
+        """The most one request's input holds, in MiB: a latent or pixel body in half
+        precision parsed to float32, or an image of ``max_pixels`` as float32 RGB."""
+        image = -(-12 * self.max_pixels // 2**20)
+        return max(2 * self.max_body_mb, image)
 
     def _derive(self, name: str, value: int) -> None:
         """Set a derived limit without marking it as set (``model_fields_set`` stays what the

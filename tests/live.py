@@ -62,13 +62,34 @@ TINY_FLUX = {
 }
 
 
-def bake(store: Path, family_key: str, name: str, config: dict[str, Any], seed: int = 0) -> None:
-    """Write one seeded model into a store, as `python -m app bake` would."""
-    part = family(family_key).decoder
-    decoder = part.module(config)
-    part.init_synthetic(decoder, torch.Generator().manual_seed(seed))
+def bake(
+    store: Path,
+    family_key: str,
+    name: str,
+    config: dict[str, Any],
+    seed: int = 0,
+    encoder: bool = False,
+) -> None:
+    """Write one seeded model into a store, as `python -m app bake` would (``encoder``: with
+    the family's encoder, seeded ``seed + 1``)."""
+    described = family(family_key)
+    decoder = described.decoder.module(config)
+    described.decoder.init_synthetic(decoder, torch.Generator().manual_seed(seed))
+    encoder_state = None
+    if encoder:
+        module = described.encoder.module(config)
+        described.encoder.init_synthetic(module, torch.Generator().manual_seed(seed + 1))
+        encoder_state = module.state_dict()
     write_model(
-        store, name, family_key, config, decoder.state_dict(), source="test", dtype="float32"
+        store,
+        name,
+        family_key,
+        config,
+        decoder.state_dict(),
+        source="test",
+        dtype="float32",
+        encoder_state=encoder_state,
+        encoder_config=config if encoder else None,
     )
 
 

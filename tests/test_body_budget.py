@@ -6,6 +6,7 @@ burst's memory goes back to the OS (issue 35.6)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import re
 import select
@@ -18,6 +19,7 @@ from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import pytest
+import requests
 from starlette.requests import Request
 
 from app.protocol import ProtocolError
@@ -248,6 +250,65 @@ def test_the_budget_refuses_429_now_and_413_outright_before_the_read():
         assert len(body) == 400 and app.state.bodies.held == 400
 
     asyncio.run(main())
+
+
+def test_a_parsed_input_is_held_in_the_budget_grown_or_shrunk_to_its_size():
+    from app.http.handling import BodyLease, hold_input, release_body
+
+    async def main() -> None:
+        app = service(1000)
+        request, _ = await read(app, 100, [b"x" * 100, None])
+        hold_input(request, 400)  # a small body parsed into larger pixels
+        assert app.state.bodies.held == 400
+        other = BodyLease(app.state.bodies)
+        other.cover(500)
+        with pytest.raises(ProtocolError) as now:
+            hold_input(request, 600)
+        assert now.value.status == 429 and app.state.bodies.held == 900  # it kept its 400
+        hold_input(request, 50)  # smaller than what it held: the rest goes back
+        assert app.state.bodies.held == 550
+        release_body(request)
+        assert app.state.bodies.held == 500
+
+    asyncio.run(main())
+
+
+def test_pixels_parsed_from_small_pngs_are_held_until_their_requests_end(tmp_path):
+    """One anonymous client's queue of tiny PNGs that decode into large pixels: each request
+    holds its pixels in the budget while it waits, so the one that would pass the budget is
+    refused at once (429), not queued; once they are answered the budget takes more again."""
+    from PIL import Image
+
+    from tests.helpers import occupy, wait_queued
+    from tests.live import TINY_FLUX, bake, live_server
+
+    faulty.bake(tmp_path, "faulty")
+    bake(tmp_path, "flux", "flux-enc", TINY_FLUX["flux-tiny"], encoder=True)
+    buffer = io.BytesIO()
+    Image.new("RGB", (1024, 1024), "gray").save(buffer, format="PNG")
+    png = buffer.getvalue()  # a few KiB; 12 MiB of float32 pixels once parsed
+    assert len(png) < 64 << 10
+
+    def encode(timeout: float = 60) -> requests.Response:
+        return requests.post(f"{url}/encode/flux-enc", data=png, timeout=timeout)
+
+    settings = dict(device="cpu", dtype="float32", bodies_mb=30, batch_rows=1)
+    with live_server(tmp_path, models="faulty,flux-enc", **settings) as url:
+        occupy(url, tag=41)  # the worker decodes nothing else until released
+        answers: list[requests.Response] = []
+        queued = [threading.Thread(target=lambda: answers.append(encode())) for _ in range(2)]
+        for n, thread in enumerate(queued, 1):
+            thread.start()
+            wait_queued(url, n)  # 12 MiB held each: 24 of 30
+        refused = encode(timeout=10)  # queued instead, it would wait for the release
+        faulty.release(41)
+        for thread in queued:
+            thread.join(60)
+        again = encode()
+    assert refused.status_code == 429, refused.text
+    assert "request inputs held" in refused.json()["error"]
+    assert refused.headers["retry-after"] == "1"
+    assert [a.status_code for a in answers] == [200, 200] and again.status_code == 200
 
 
 def test_a_chunked_body_takes_the_budget_as_it_grows():

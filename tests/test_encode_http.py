@@ -29,7 +29,7 @@ from app.families.ops import cosine
 from app.store import load_encoder, read_manifest, write_model
 from tests import launch
 from tests.conftest import SHARED, shared_path
-from tests.live import ROOT, cli_import, live_server
+from tests.live import ROOT, bake, cli_import, live_server
 
 FLUX_TINY = {
     "latent_channels": 16,
@@ -41,36 +41,14 @@ FLUX1_FACTORS = {"scaling_factor": 0.3611, "shift_factor": 0.1159}
 TAEF2 = SHARED / "weights" / "taef2"  # tests skip where it is absent (_taef2)
 
 
-def _write(store: Path, name: str, key: str, config: dict, with_encoder: bool) -> None:
-    described = family(key)
-    decoder = described.decoder.module(config)
-    described.decoder.init_synthetic(decoder, torch.Generator().manual_seed(0))
-    encoder_state = None
-    if with_encoder:
-        encoder = described.encoder.module(config)
-        described.encoder.init_synthetic(encoder, torch.Generator().manual_seed(1))
-        encoder_state = encoder.state_dict()
-    write_model(
-        store,
-        name,
-        key,
-        config,
-        decoder.state_dict(),
-        source="test",
-        dtype="float32",
-        encoder_state=encoder_state,
-        encoder_config=config if with_encoder else None,
-    )
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory) -> Path:
     from app.families.ltx.decoder.synthetic import SYNTHETIC as LTX_DECODERS
     from app.families.ltx.encoder.synthetic import SYNTHETIC as LTX_ENCODERS
 
     store = tmp_path_factory.mktemp("encode-store")
-    _write(store, "flux-enc", "flux", FLUX_TINY, True)
-    _write(store, "flux-dec", "flux", FLUX_TINY, False)
+    bake(store, "flux", "flux-enc", FLUX_TINY, encoder=True)
+    bake(store, "flux", "flux-dec", FLUX_TINY)
     ltx = family("ltx").encoder
     decoder = family("ltx").decoder.module(LTX_DECODERS["ltx-tiny"])
     encoder = ltx.module(LTX_ENCODERS["ltx-tiny"])

@@ -13,7 +13,7 @@ import asyncio
 from fastapi import Request, Response
 
 from app.http.errors import runtime_error
-from app.http.handling import deadline, handled, outcome, read_body, release_body
+from app.http.handling import deadline, handled, hold_input, outcome, read_body
 from app.http.mp4 import mp4_response
 from app.http.preview import format_of, preview_response
 from app.http.responses import (
@@ -62,7 +62,7 @@ async def _decode(
             request_id=request.state.request_id,
             on_shape=lambda shape: setattr(request.state, "shape", shape),
         )
-        release_body(request)  # parsed into the latent: the body's bytes are gone
+        hold_input(request, decode.latent.numel() * decode.latent.element_size())
     if preview_key is not None:  # answered here: milliseconds, no queue, no decoder
         response = await preview_response(preview_key, decode, timer)
         response.headers["x-model"] = model.name

@@ -17,9 +17,10 @@ from fastapi import Request, Response
 
 from app.http.decode import resolve_model
 from app.http.errors import runtime_error
-from app.http.handling import deadline, handled, outcome, read_body, release_body
+from app.http.handling import deadline, handled, hold_input, outcome, read_body
 from app.http.serving import Serving
 from app.media import write
+from app.media.read import Mp4Clip
 from app.protocol import ProtocolError
 from app.protocol.encode import EncoderGeometry, parse_encode_head, validate_encode
 from app.protocol.request import EncodeRequest, LatentFormat
@@ -55,7 +56,7 @@ async def _encode(
             deadline=deadline(request.state.started, head, settings),
             request_id=request.state.request_id,
         )
-        release_body(request)  # parsed into pixels (an MP4: its temporary file): bytes gone
+        hold_input(request, input_bytes(encode.pixels))
         request.state.shape = list(encode.pixels.shape)
     try:
         latent = await _run(request, serving, Job(served, encode, timer))
@@ -74,6 +75,14 @@ async def _run(request: Request, serving: Serving, job: Job) -> torch.Tensor:
     except (QueueFull, Stopped, DeviceLost) as exc:
         raise runtime_error(exc, job.part.name, job.part.part) from None
     return await outcome(request, job, job.future)
+
+
+def input_bytes(pixels: torch.Tensor | Mp4Clip) -> int:
+    """What a parsed encode input holds until its request ends: its pixels, or an MP4's
+    temporary file (memory where the filesystem is, as on Cloud Run)."""
+    if isinstance(pixels, torch.Tensor):
+        return pixels.numel() * pixels.element_size()
+    return pixels.file_bytes
 
 
 def served_encoder(runtime: Runtime, name: str) -> ServedPart:

@@ -1,6 +1,7 @@
 """What every decode and encode request goes through, whatever its body: accounting (the
 drain, ``Server-Timing``, metrics and the log line), the JSON answer of a refusal, the body read
-within its limit, its time and the process's body budget, the deadline, and the wait for the
+within its limit, its time and the process's budget of request inputs (the body as it arrives,
+then what it was parsed into, until the request ends), the deadline, and the wait for the
 worker's outcome (a client that leaves, a deadline that passes, a drain that runs out)."""
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def trim_malloc(burst: int, limit: int) -> None:
 
 
 class BodyBudget:
-    """The bytes of request bodies in flight, all requests together, reserved before they
-    are read: a burst of large uploads holds at most ``limit`` bytes of bodies."""
+    """The bytes of request inputs held, all requests together: a body reserved before it is
+    read, then what it was parsed into (a latent, pixels) until its request ends. A burst of
+    large uploads, or a queue of small bodies that parse into large pixels, holds at most
+    ``limit`` bytes."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -91,7 +94,8 @@ class BodyLease:
     held: int = 0
 
     def cover(self, size: int) -> None:
-        """Hold ``size`` bytes in all: 429 when the budget cannot hold them now, 413 never."""
+        """Hold at least ``size`` bytes: 429 when the budget cannot hold them now, 413 when it
+        never could."""
         more = size - self.held
         if more <= 0:
             return
@@ -99,17 +103,25 @@ class BodyLease:
         if size > limit:
             raise ProtocolError(
                 413,
-                f"a body of {size} bytes exceeds the {limit >> 20} MiB budget of request bodies"
-                f" in flight (VAE_BODIES_MB)",
+                f"this request's input of {size} bytes exceeds the {limit >> 20} MiB budget of "
+                "request inputs held at once (VAE_BODIES_MB)",
             )
         if not self.budget.take(more):
             raise ProtocolError(
                 429,
-                f"request bodies in flight hold the budget ({limit >> 20} MiB): this one's "
-                f"{size} bytes do not fit now",
+                f"request inputs held fill the budget ({limit >> 20} MiB, VAE_BODIES_MB): this "
+                f"one's {size} bytes do not fit now",
                 "retry after Retry-After seconds",
             )
         self.held = size
+
+    def hold(self, size: int) -> None:
+        """Hold exactly ``size`` bytes: more as ``cover`` takes them, less given back."""
+        if size >= self.held:
+            self.cover(size)
+            return
+        less, self.held = self.held - size, size
+        self.budget.give(less)
 
     def release(self) -> None:
         held, self.held = self.held, 0
@@ -133,30 +145,37 @@ async def handled(
     timer = PhaseTimer()
     request.state.logged = True  # its line comes from ``finisher``, with the phases
     serving.drain.active += 1
+    stream = False
     try:
         response = await answered(op, request, lambda: work(timer), serving)
+        stream = isinstance(response, JobStream)
     except BaseException:  # cancelled by a hard shutdown: still account for it
         serving.drain.active -= 1
         raise
     finally:
-        release_body(request)  # if the handler has not already
+        if not stream:  # a stream's job still holds the latent: released when it closes
+            release_body(request)
     response.headers["Server-Timing"] = server_timing(timer.phases(), time.perf_counter() - started)
     if output is not None:
         response.headers.setdefault("x-output", output)
     finish = finisher(request, response, name, serving, timer, started, op)
     if isinstance(response, JobStream):
-        response.on_close = _streaming(serving.drain, finish)
+        response.on_close = _streaming(serving.drain, finish, lambda: release_body(request))
     else:
         finish(len(response.body))
     return response
 
 
-def _streaming(drain: Drain, finish: Callable[[int], None]) -> Callable[[int], None]:
-    """Count a stream in the drain's ``streams`` until it closes (then ``finish``)."""
+def _streaming(
+    drain: Drain, finish: Callable[[int], None], release: Callable[[], None]
+) -> Callable[[int], None]:
+    """Count a stream in the drain's ``streams`` until it closes (then ``finish``, and its
+    input is no longer held)."""
     drain.streams += 1
 
     def closed(size: int) -> None:
         drain.streams -= 1
+        release()
         finish(size)
 
     return closed
@@ -234,9 +253,17 @@ def body_too_large(request: Request, body: str, limit: int) -> ProtocolError:
     )
 
 
+def hold_input(request: Request, size: int) -> None:
+    """The body is parsed: the request holds what it became (``size`` bytes: the latent, the
+    pixels, an MP4's temporary file) until it ends, in the same budget; 429 when that does
+    not fit now (a small body can parse into large pixels)."""
+    lease = getattr(request.state, "body_lease", None)
+    if lease is not None:
+        lease.hold(size)
+
+
 def release_body(request: Request) -> None:
-    """The request's body is no longer held (parsed, or the request is over): its share of
-    the body budget goes back."""
+    """The request is over: its share of the budget goes back."""
     lease = getattr(request.state, "body_lease", None)
     if lease is not None:
         lease.release()

@@ -112,6 +112,7 @@ class Mp4Clip:
         self._cleanup = weakref.finalize(self, self._folder.cleanup)  # also if never closed
         path = Path(self._folder.name) / "body.mp4"
         path.write_bytes(body)
+        self.file_bytes = len(body)  # the temporary file's size
         self.info = probe_mp4(path, max_frames=max_frames, max_pixels=max_pixels)
         self._frames = mp4_frames(path, self.info, max_frames=max_frames)
         self._multiple = multiple
