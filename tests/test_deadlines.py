@@ -42,6 +42,7 @@ def test_a_request_that_cannot_start_by_its_deadline_is_refused_not_decoded(serv
         by_stream = post_mp4(
             server, faulty.latent(tag=63, frames=2), headers={"X-Request-Timeout": "0.2"}
         )
+        assert metric(server, "vae_queue_depth") == 0  # refused jobs left the queue at once
     finally:
         faulty.release(60)
     worker.join()
@@ -82,6 +83,8 @@ def test_a_client_that_disconnects_while_queued_is_not_decoded(server):
         sock.close()
         gone = lambda: metric(server, "vae_requests_total", code="499") == gone_before + 1  # noqa: E731
         faulty.wait_for("the 499 is counted", gone)
+        # out of the queue at once (its slot and its input free), not when the worker gets to it
+        assert metric(server, "vae_queue_depth") == 0
     finally:
         faulty.release(70)
     worker.join()

@@ -332,10 +332,10 @@ async def outcome(request: Request, job: Job, future: Future) -> Any:
             if waiter in done:
                 return _result(waiter, job)
             if gone in done:
-                job.abandon()
+                _abandon(request, job)
                 raise ClientGone
             if expired in done:
-                job.abandon()
+                _abandon(request, job)
                 raise ProtocolError(
                     503,
                     f"the service is shutting down: its drain grace ran out before this "
@@ -343,15 +343,23 @@ async def outcome(request: Request, job: Job, future: Future) -> Any:
                     ANOTHER_INSTANCE,
                 )
             if job.future.cancel():  # still queued at its deadline: refuse it
+                request.app.state.runtime.withdraw(job)
                 raise deadline_error(time.perf_counter() - job.enqueued, job.part.part)
             until = None  # it started in time: let it finish
     except asyncio.CancelledError:
-        job.abandon()
+        _abandon(request, job)
         raise
     finally:
         gone.cancel()
         expired.cancel()
         waiter.cancel()  # no-op once done; else no "exception never retrieved" later
+
+
+def _abandon(request: Request, job: Job) -> None:
+    """Its caller left: the job stops, and leaves the queue at once if it waits there (its
+    slot and its input are free now, not when the worker reaches it)."""
+    job.abandon()
+    request.app.state.runtime.withdraw(job)
 
 
 async def _disconnected(request: Request) -> None:

@@ -114,6 +114,9 @@ class Runtime:
     def submit(self, job: Job):
         return self.scheduler.submit(job)
 
+    def withdraw(self, job: Job) -> None:
+        self.scheduler.withdraw(job)
+
     def warm_up(self) -> None:
         """Decode each ``VAE_WARMUP_SHAPES`` shape once on every model it fits, on the decode
         worker: cuDNN's algorithm search, the allocator's growth and the per-thread handles are

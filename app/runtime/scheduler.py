@@ -222,6 +222,20 @@ class Scheduler:
         self.metrics.queue_depth.set(self._queue.qsize())
         return job.future
 
+    def withdraw(self, job: Job) -> None:
+        """Take a job out of the queue (its caller left, or its deadline passed while it
+        waited): its slot and its input are free at once, not when the worker reaches it. A
+        job the worker has taken already is left to it."""
+        with self._queue.mutex:  # queue.Queue's own lock and deque: no API removes one item
+            try:
+                self._queue.queue.remove(job)
+            except ValueError:
+                return
+            self._queue.not_full.notify()
+        self.metrics.queue_depth.set(self._queue.qsize())
+        if job.channel is not None:
+            job.channel.close()  # never streamed: its stream slot is free
+
     def _admit_stream(self, channel: FrameChannel) -> None:
         with self._streams_lock:
             if self.streams >= self.max_streams:
