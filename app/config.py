@@ -19,8 +19,12 @@ if TYPE_CHECKING:  # imported where used: the command line reads settings withou
 # limit of 31 MiB leaves the request line and headers room, so every body the service admits
 # passes the front end (deploy/README.md, "Request size and HTTP/2").
 CLOUD_RUN_REQUEST_MB = 32
-# what the largest input one request holds is (Settings.input_mb)
-INPUT_MB_WHY = "a VAE_MAX_BODY_MB body of half floats parsed to float32, or a VAE_MAX_PIXELS image"
+# what one request holds at most (Settings.held_mb)
+HELD_MB_WHY = (
+    "its input (a VAE_MAX_BODY_MB body of half floats parsed to float32, or a VAE_MAX_PIXELS "
+    "image as float32) and its whole answer (VAE_MAX_BATCH float32 VAE_MAX_PIXELS images, "
+    "within VAE_MAX_OUTPUT_MB)"
+)
 
 
 class Settings(BaseSettings):
@@ -84,10 +88,10 @@ class Settings(BaseSettings):
     bodies_mb: int = Field(
         1024,
         ge=1,
-        description="request inputs held at once, all requests together: a body reserved "
+        description="what requests hold at once, all requests together: a body reserved "
         "before it is read (by its Content-Length; a chunked one as it grows), then what it "
-        "was parsed into (a latent, pixels) until its request ends; else 429, or 413 for one "
-        "larger than this",
+        "was parsed into (a latent, pixels) and the most its whole answer can be, then that "
+        "answer until it is sent; else 429, or 413 for one larger than this",
     )
     max_output_mb: int = Field(1024, ge=1, description="response body bytes per request, else 413")
     max_decode_mb: int = Field(
@@ -194,9 +198,9 @@ class Settings(BaseSettings):
                 "streams_max": (n, f"VAE_CONCURRENCY={n}", f"{n} requests may all be MP4s"),
                 # every request admitted may hold the largest input at once
                 "bodies_mb": (
-                    n * self.input_mb(),
-                    f"VAE_CONCURRENCY={n} x {self.input_mb()} MiB",
-                    f"{n} requests may each hold the largest input ({INPUT_MB_WHY})",
+                    n * self.held_mb(),
+                    f"VAE_CONCURRENCY={n} x {self.held_mb()} MiB",
+                    f"{n} requests may each hold the most one can: {HELD_MB_WHY}",
                 ),
             }
             for name, (need, why, what) in needs.items():
@@ -211,11 +215,13 @@ class Settings(BaseSettings):
             raise ValueError("; ".join(conflicts))
         return self
 
-    def input_mb(self) -> int:
-        """The most one request's input holds, in MiB: a latent or pixel body in half
-        precision parsed to float32, or an image of ``max_pixels`` as float32 RGB."""
+    def held_mb(self) -> int:
+        """The most one request holds, in MiB (the body budget's unit): its input, a latent
+        or pixel body in half precision parsed to float32 or a ``max_pixels`` image as float32
+        RGB, and its whole answer, ``max_batch`` such images as a float32 tensor within
+        ``max_output_mb`` (a streamed answer has a buffer of its own)."""
         image = -(-12 * self.max_pixels // 2**20)
-        return max(2 * self.max_body_mb, image)
+        return max(2 * self.max_body_mb, image) + min(self.max_output_mb, self.max_batch * image)
 
     def _derive(self, name: str, value: int) -> None:
         """Set a derived limit without marking it as set (``model_fields_set`` stays what the

@@ -217,15 +217,13 @@ async def read(app, length: int | None, parts: list[bytes | None], limit: int = 
 
 
 def test_a_declared_body_is_read_into_one_buffer_and_holds_the_budget_until_released():
-    from app.http.handling import release_body
-
     async def main() -> None:
         app = service(1000)
         request, body = await read(app, 600, [b"a" * 100, b"b" * 500, None])
         assert isinstance(body, bytearray) and body == b"a" * 100 + b"b" * 500
         assert app.state.bodies.held == 600
-        release_body(request)
-        release_body(request)  # once only
+        request.state.body_lease.release()  # what Envelope does once the answer is sent
+        request.state.body_lease.release()  # once only
         assert app.state.bodies.held == 0
 
     asyncio.run(main())
@@ -253,21 +251,21 @@ def test_the_budget_refuses_429_now_and_413_outright_before_the_read():
 
 
 def test_a_parsed_input_is_held_in_the_budget_grown_or_shrunk_to_its_size():
-    from app.http.handling import BodyLease, hold_input, release_body
+    from app.http.handling import BodyLease, hold
 
     async def main() -> None:
         app = service(1000)
         request, _ = await read(app, 100, [b"x" * 100, None])
-        hold_input(request, 400)  # a small body parsed into larger pixels
+        hold(request, 400)  # a small body parsed into larger pixels
         assert app.state.bodies.held == 400
         other = BodyLease(app.state.bodies)
         other.cover(500)
         with pytest.raises(ProtocolError) as now:
-            hold_input(request, 600)
+            hold(request, 600)
         assert now.value.status == 429 and app.state.bodies.held == 900  # it kept its 400
-        hold_input(request, 50)  # smaller than what it held: the rest goes back
+        hold(request, 50)  # smaller than what it held: the rest goes back
         assert app.state.bodies.held == 550
-        release_body(request)
+        request.state.body_lease.release()
         assert app.state.bodies.held == 500
 
     asyncio.run(main())
@@ -306,9 +304,28 @@ def test_pixels_parsed_from_small_pngs_are_held_until_their_requests_end(tmp_pat
             thread.join(60)
         again = encode()
     assert refused.status_code == 429, refused.text
-    assert "request inputs held" in refused.json()["error"]
+    assert "what requests hold" in refused.json()["error"]
     assert refused.headers["retry-after"] == "1"
     assert [a.status_code for a in answers] == [200, 200] and again.status_code == 200
+
+
+def test_an_answer_is_held_until_it_is_sent(tmp_path):
+    """A decode's whole answer is reserved with its latent before it is queued and held until
+    it is sent: a client that reads nothing of its 48 MiB answer keeps that room, so another
+    such request is refused (429) until the first client leaves."""
+    from tests.helpers import post, raw_request
+    from tests.live import live_server
+
+    faulty.bake(tmp_path, "faulty")
+    z = faulty.latent(tag=43, size=256)  # a 2048x2048 float32 answer: 48 MiB, the body 1 MiB
+    target = "/decode/faulty?shape=[1,4,256,256]&dtype=float32&output_type=pt"
+    with live_server(tmp_path, models="faulty", device="cpu", dtype="float32", bodies_mb=64) as url:
+        reader = raw_request(url, target, z.numpy().tobytes())
+        reader.recv(1, socket.MSG_PEEK)  # its answer is being sent; the client reads no more
+        refused = post(url, faulty.latent(tag=44, size=256))
+        reader.close()
+        faulty.wait_for("the answer's room free", lambda: post(url, z).status_code == 200)
+    assert refused.status_code == 429 and "do not fit now" in refused.json()["error"]
 
 
 def test_a_chunked_body_takes_the_budget_as_it_grows():

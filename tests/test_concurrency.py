@@ -51,18 +51,20 @@ def test_without_a_declared_concurrency_the_defaults_stand():
 
 
 def test_every_admission_limit_derives_from_the_concurrency():
-    s = Settings(concurrency=16)  # each may hold a 256 MiB bf16 body parsed to float32
-    assert (s.queue_depth, s.streams_max, s.bodies_mb) == (16, 16, 16 * 2 * 256)
+    # each may hold a 256 MiB bf16 body parsed to float32 and 8 float32 2048x2048 images
+    s = Settings(concurrency=16)
+    assert (s.queue_depth, s.streams_max, s.bodies_mb) == (16, 16, 16 * (2 * 256 + 8 * 48))
     derived = {"queue_depth", "streams_max", "bodies_mb"}
     assert "concurrency" in s.model_fields_set and not derived & s.model_fields_set  # not set
     s = Settings(concurrency=3, max_body_mb=10)  # an image of 2048x2048 float32 pixels: 48 MiB
-    assert (s.queue_depth, s.streams_max, s.bodies_mb) == (3, 3, 3 * 48)
+    assert (s.queue_depth, s.streams_max, s.bodies_mb) == (3, 3, 3 * (48 + 8 * 48))
+    assert Settings(concurrency=3, max_batch=1, max_output_mb=20).bodies_mb == 3 * (512 + 20)
 
 
 def test_cloud_run_bounds_the_body_limit_under_its_32_mib():
     s = Settings(platform="cloud-run")
     assert s.max_body_mb == CLOUD_RUN_REQUEST_MB - 1 == 31
-    assert Settings(platform="cloud-run", concurrency=16).bodies_mb == 16 * 2 * 31
+    assert Settings(platform="cloud-run", concurrency=16).bodies_mb == 16 * (2 * 31 + 8 * 48)
     assert Settings(platform="cloud-run", max_body_mb=8).max_body_mb == 8  # lower is fine
     with pytest.raises(ValidationError) as refused:
         Settings(platform="cloud-run", max_body_mb=32)
@@ -70,10 +72,10 @@ def test_cloud_run_bounds_the_body_limit_under_its_32_mib():
 
 
 def test_explicit_values_at_or_above_what_the_concurrency_needs_are_kept():
-    s = Settings(concurrency=16, queue_depth=40, streams_max=16, bodies_mb=1200, max_body_mb=31)
-    assert (s.queue_depth, s.streams_max, s.bodies_mb) == (40, 16, 1200)
+    s = Settings(concurrency=16, queue_depth=40, streams_max=16, bodies_mb=8000, max_body_mb=31)
+    assert (s.queue_depth, s.streams_max, s.bodies_mb) == (40, 16, 8000)
     s = Settings(concurrency=16, queue_depth=16)  # one explicit, the others derived
-    assert (s.queue_depth, s.streams_max, s.bodies_mb) == (16, 16, 16 * 512)
+    assert (s.queue_depth, s.streams_max, s.bodies_mb) == (16, 16, 16 * 896)
 
 
 @pytest.mark.parametrize(
@@ -83,7 +85,7 @@ def test_explicit_values_at_or_above_what_the_concurrency_needs_are_kept():
         ({"queue_depth": 15}, "VAE_QUEUE_DEPTH=15 < VAE_CONCURRENCY=16"),
         (
             {"bodies_mb": 4096, "max_body_mb": 256},
-            "VAE_BODIES_MB=4096 < VAE_CONCURRENCY=16 x 512 MiB",
+            "VAE_BODIES_MB=4096 < VAE_CONCURRENCY=16 x 896 MiB",
         ),
     ],
 )
@@ -125,7 +127,7 @@ def test_the_manifest_declares_its_concurrency_and_every_limit_follows():
     assert env["VAE_CONCURRENCY"] == str(concurrency)
     s = Settings(**{k.removeprefix("VAE_").lower(): v for k, v in env.items() if k in LIMITS})
     assert s.queue_depth >= concurrency and s.streams_max >= concurrency
-    assert s.bodies_mb >= concurrency * s.input_mb() >= concurrency * 2 * s.max_body_mb
+    assert s.bodies_mb >= concurrency * s.held_mb() >= concurrency * 2 * s.max_body_mb
     assert s.max_body_mb < CLOUD_RUN_REQUEST_MB  # a body and its headers pass the front end
 
 

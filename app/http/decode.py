@@ -13,7 +13,7 @@ import asyncio
 from fastapi import Request, Response
 
 from app.http.errors import runtime_error
-from app.http.handling import deadline, handled, hold_input, outcome, read_body
+from app.http.handling import deadline, handled, hold, outcome, read_body
 from app.http.mp4 import mp4_response
 from app.http.preview import format_of, preview_response
 from app.http.responses import (
@@ -27,6 +27,7 @@ from app.http.responses import (
 from app.http.serving import Serving
 from app.protocol import ProtocolError, parse_head, validate
 from app.protocol.request import Output
+from app.protocol.shapes import answer_bytes
 from app.runtime import Job, ServedPart
 from app.runtime.channel import FrameChannel
 from app.runtime.scheduler import DeviceLost, QueueFull, Stopped
@@ -62,13 +63,16 @@ async def _decode(
             request_id=request.state.request_id,
             on_shape=lambda shape: setattr(request.state, "shape", shape),
         )
-        hold_input(request, decode.latent.numel() * decode.latent.element_size())
+        mp4, frames = decode.output is Output.MP4, streams_frames(decode)
+        # the latent and the most its whole answer can be (a stream's frames have a buffer)
+        whole = not (mp4 or frames or preview_key)
+        answer = answer_bytes(decode, model.geometry) if whole else 0
+        hold(request, decode.latent.numel() * decode.latent.element_size() + answer)
     if preview_key is not None:  # answered here: milliseconds, no queue, no decoder
         response = await preview_response(preview_key, decode, timer)
         response.headers["x-model"] = model.name
         response.headers["x-output"] = output_label(decode)
         return response
-    mp4, frames = decode.output is Output.MP4, streams_frames(decode)
     channel = FrameChannel(settings.stream_buffer_mb << 20, settings.stream_wait_s)
     job = Job(model, decode, timer, channel if mp4 or frames else None)
     try:

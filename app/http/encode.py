@@ -17,7 +17,7 @@ from fastapi import Request, Response
 
 from app.http.decode import resolve_model
 from app.http.errors import runtime_error
-from app.http.handling import deadline, handled, hold_input, outcome, read_body
+from app.http.handling import deadline, handled, hold, outcome, read_body
 from app.http.serving import Serving
 from app.media import write
 from app.media.read import Mp4Clip
@@ -56,7 +56,7 @@ async def _encode(
             deadline=deadline(request.state.started, head, settings),
             request_id=request.state.request_id,
         )
-        hold_input(request, input_bytes(encode.pixels))
+        hold(request, input_bytes(encode.pixels))  # the latent answered is smaller
         request.state.shape = list(encode.pixels.shape)
     try:
         latent = await _run(request, serving, Job(served, encode, timer))

@@ -59,6 +59,9 @@ class Envelope:
         try:
             await self._answer(scope, receive, send_with_headers, rid, lambda: sent)
         finally:
+            lease = state.get("body_lease")  # what the request held: its answer is out now
+            if lease is not None:
+                lease.release()
             if not state.get("logged"):  # the decode and encode handlers log their own line
                 _log(scope, rid, status, size, time.perf_counter() - started)
 

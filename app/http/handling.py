@@ -1,8 +1,9 @@
 """What every decode and encode request goes through, whatever its body: accounting (the
 drain, ``Server-Timing``, metrics and the log line), the JSON answer of a refusal, the body read
-within its limit, its time and the process's budget of request inputs (the body as it arrives,
-then what it was parsed into, until the request ends), the deadline, and the wait for the
-worker's outcome (a client that leaves, a deadline that passes, a drain that runs out)."""
+within its limit, its time and the process's budget of what requests hold (the body as it
+arrives, then its parsed input and its answer, until the answer is sent), the deadline, and the
+wait for the worker's outcome (a client that leaves, a deadline that passes, a drain that runs
+out)."""
 
 from __future__ import annotations
 
@@ -57,10 +58,10 @@ def trim_malloc(burst: int, limit: int) -> None:
 
 
 class BodyBudget:
-    """The bytes of request inputs held, all requests together: a body reserved before it is
-    read, then what it was parsed into (a latent, pixels) until its request ends. A burst of
-    large uploads, or a queue of small bodies that parse into large pixels, holds at most
-    ``limit`` bytes."""
+    """The bytes requests hold, all requests together: a body reserved before it is read,
+    then what it was parsed into (a latent, pixels) and the most its answer can be, then the
+    answer until it is sent. A burst of large uploads, a queue of small bodies that parse into
+    large pixels, or slow readers of large answers hold at most ``limit`` bytes."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -88,7 +89,8 @@ class BodyBudget:
 
 @dataclass
 class BodyLease:
-    """One request's share of the ``BodyBudget``; released once, whatever ends it."""
+    """One request's share of the ``BodyBudget``; released once its answer is out, however
+    it ends (``Envelope``, the outermost middleware)."""
 
     budget: BodyBudget
     held: int = 0
@@ -103,13 +105,13 @@ class BodyLease:
         if size > limit:
             raise ProtocolError(
                 413,
-                f"this request's input of {size} bytes exceeds the {limit >> 20} MiB budget of "
-                "request inputs held at once (VAE_BODIES_MB)",
+                f"this request would hold {size} bytes, over the {limit >> 20} MiB budget of "
+                "what requests hold at once (VAE_BODIES_MB)",
             )
         if not self.budget.take(more):
             raise ProtocolError(
                 429,
-                f"request inputs held fill the budget ({limit >> 20} MiB, VAE_BODIES_MB): this "
+                f"what requests hold fills the budget ({limit >> 20} MiB, VAE_BODIES_MB): this "
                 f"one's {size} bytes do not fit now",
                 "retry after Retry-After seconds",
             )
@@ -145,37 +147,30 @@ async def handled(
     timer = PhaseTimer()
     request.state.logged = True  # its line comes from ``finisher``, with the phases
     serving.drain.active += 1
-    stream = False
     try:
         response = await answered(op, request, lambda: work(timer), serving)
-        stream = isinstance(response, JobStream)
     except BaseException:  # cancelled by a hard shutdown: still account for it
         serving.drain.active -= 1
         raise
-    finally:
-        if not stream:  # a stream's job still holds the latent: released when it closes
-            release_body(request)
+    if not isinstance(response, JobStream):  # it holds its answer now, until Envelope has
+        hold(request, len(response.body), grow=False)  # sent it
     response.headers["Server-Timing"] = server_timing(timer.phases(), time.perf_counter() - started)
     if output is not None:
         response.headers.setdefault("x-output", output)
     finish = finisher(request, response, name, serving, timer, started, op)
     if isinstance(response, JobStream):
-        response.on_close = _streaming(serving.drain, finish, lambda: release_body(request))
+        response.on_close = _streaming(serving.drain, finish)
     else:
         finish(len(response.body))
     return response
 
 
-def _streaming(
-    drain: Drain, finish: Callable[[int], None], release: Callable[[], None]
-) -> Callable[[int], None]:
-    """Count a stream in the drain's ``streams`` until it closes (then ``finish``, and its
-    input is no longer held)."""
+def _streaming(drain: Drain, finish: Callable[[int], None]) -> Callable[[int], None]:
+    """Count a stream in the drain's ``streams`` until it closes (then ``finish``)."""
     drain.streams += 1
 
     def closed(size: int) -> None:
         drain.streams -= 1
-        release()
         finish(size)
 
     return closed
@@ -253,20 +248,15 @@ def body_too_large(request: Request, body: str, limit: int) -> ProtocolError:
     )
 
 
-def hold_input(request: Request, size: int) -> None:
-    """The body is parsed: the request holds what it became (``size`` bytes: the latent, the
-    pixels, an MP4's temporary file) until it ends, in the same budget; 429 when that does
-    not fit now (a small body can parse into large pixels)."""
+def hold(request: Request, size: int, grow: bool = True) -> None:
+    """What the request holds now, in the same budget as its body: once parsed, its input
+    (the latent, the pixels, an MP4's temporary file) and the most its answer can be (429
+    when that does not fit now: a small body can parse into large pixels, or ask for a large
+    answer); once answered, its answer until it is sent (``grow=False``: never more than it
+    reserved)."""
     lease = getattr(request.state, "body_lease", None)
     if lease is not None:
-        lease.hold(size)
-
-
-def release_body(request: Request) -> None:
-    """The request is over: its share of the budget goes back."""
-    lease = getattr(request.state, "body_lease", None)
-    if lease is not None:
-        lease.release()
+        lease.hold(size if grow else min(size, lease.held))
 
 
 async def _receive(request: Request, lease: BodyLease, limit: int, size: int | None) -> bytearray:

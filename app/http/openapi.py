@@ -380,8 +380,8 @@ def run_errors(op: str, named: bool) -> dict[str, Any]:
         ),
         "429": error(
             "the queue is full, the streamed-answers cap (VAE_STREAMS_MAX) is reached, or the "
-            "request inputs held (bodies arriving, latents and pixels parsed from them) fill "
-            "their budget (VAE_BODIES_MB)",
+            "what requests hold (bodies arriving, the latents and pixels parsed from them, "
+            "answers not yet sent) fills its budget (VAE_BODIES_MB)",
             retry=True,
         ),
         "500": SERVER_ERROR,

@@ -17,7 +17,7 @@ from torch import Tensor
 from app.protocol.bodies import RAW_TYPES, media_type
 from app.protocol.errors import ProtocolError
 from app.protocol.params import WIRE_DTYPES, DecodeParams
-from app.protocol.request import Output
+from app.protocol.request import DecodeRequest, Output
 
 if TYPE_CHECKING:
     from app.families.decoder import VAEDecoder
@@ -214,6 +214,15 @@ def output_bytes(kind: Output, pixels: int, itemsize: int) -> int:
     per_value = {Output.TENSOR: itemsize, Output.UNIT_TENSOR: itemsize, Output.UINT8: 1}
     # a preview is one frame at the latent's own size: nothing to bound here
     return 3 * pixels * per_value.get(kind, 1 if kind is Output.IMAGE else 0)
+
+
+def answer_bytes(request: DecodeRequest, geo: ModelGeometry) -> int:
+    """The most a decode's whole (not streamed) answer holds: ``output_bytes`` of what its
+    latent decodes to, at the answer's dtype."""
+    shape = request.latent.shape
+    frames = geo.frames_out(shape[2]) if len(shape) == 5 else 1
+    pixels = shape[0] * frames * shape[-2] * shape[-1] * geo.spatial_scale**2
+    return output_bytes(request.output, pixels, request.out_dtype.itemsize)
 
 
 def _mib(size: int) -> str:
