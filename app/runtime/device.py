@@ -230,18 +230,8 @@ def memory_bytes() -> dict[tuple[str, str], float]:
             out[(name, "reserved")] = torch.cuda.memory_reserved(index)
             out[(name, "peak")] = torch.cuda.max_memory_allocated(index)
             out[(name, "free")], out[(name, "total")] = free, total
-    rss = _rss_bytes()
+    rss = host_memory.resident()
     out[("cpu", "allocated")] = rss
     # ru_maxrss is in KiB on Linux
     out[("cpu", "peak")] = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return out
-
-
-def _rss_bytes() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
