@@ -196,7 +196,7 @@ class Settings(BaseSettings):
                 "queue_depth": (n, f"VAE_CONCURRENCY={n}", f"{n} requests may all be queued"),
                 # every request admitted may be an MP4 stream
                 "streams_max": (n, f"VAE_CONCURRENCY={n}", f"{n} requests may all be MP4s"),
-                # every request admitted may hold the largest input at once
+                # every request admitted may hold the most one request can, at once
                 "bodies_mb": (
                     n * self.held_mb(),
                     f"VAE_CONCURRENCY={n} x {self.held_mb()} MiB",
