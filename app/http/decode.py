@@ -67,7 +67,7 @@ async def _decode(
         # the latent and the most its whole answer can be (a stream's frames have a buffer)
         whole = not (mp4 or frames or preview_key)
         answer = answer_bytes(decode, model.geometry) if whole else 0
-        hold(request, decode.latent.numel() * decode.latent.element_size() + answer)
+        hold(request, decode.latent.nbytes + answer)
     if preview_key is not None:  # answered here: milliseconds, no queue, no decoder
         response = await preview_response(preview_key, decode, timer)
         response.headers["x-model"] = model.name

@@ -81,7 +81,7 @@ def input_bytes(pixels: torch.Tensor | Mp4Clip) -> int:
     """What a parsed encode input holds until its request ends: its pixels, or an MP4's
     temporary file (memory where the filesystem is, as on Cloud Run)."""
     if isinstance(pixels, torch.Tensor):
-        return pixels.numel() * pixels.element_size()
+        return pixels.nbytes
     return pixels.file_bytes
 
 

@@ -193,8 +193,8 @@ def check_shape(
     if output > limits.max_output_bytes:
         raise ProtocolError(
             413,
-            f"the response would be {_mib(output)} ({b}x{frames} frames of {w}x{h}, "
-            f"{kind.value}); the limit is {_mib(limits.max_output_bytes)}",
+            f"the response would be {mib(output)} ({b}x{frames} frames of {w}x{h}, "
+            f"{kind.value}); the limit is {mib(limits.max_output_bytes)}",
             "a smaller latent, fewer frames, or output_type=mp4 / partial_postprocess=true",
         )
     # the decoder's own estimate (the runner plans with the same one); an MP4 streams one video
@@ -202,8 +202,8 @@ def check_shape(
     if work > limits.max_decode_bytes:
         raise ProtocolError(
             413,
-            f"decoding {b}x{frames} frames of {w}x{h} needs about {_mib(work)} of working "
-            f"memory; the limit is {_mib(limits.max_decode_bytes)}",
+            f"decoding {b}x{frames} frames of {w}x{h} needs about {mib(work)} of working "
+            f"memory; the limit is {mib(limits.max_decode_bytes)}",
             "a smaller latent or batch",
         )
 
@@ -225,7 +225,7 @@ def answer_bytes(request: DecodeRequest, geo: ModelGeometry) -> int:
     return output_bytes(request.output, pixels, request.out_dtype.itemsize)
 
 
-def _mib(size: int) -> str:
+def mib(size: int) -> str:
     return f"{size / (1 << 20):.1f} MiB"
 
 

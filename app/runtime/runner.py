@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from app.families.decoder import VAEDecoder
 from app.families.encoder import VAEEncoder
 from app.protocol.request import DecodeRequest, EncodeRequest, EncodeScaling, Scaling
+from app.protocol.shapes import mib
 from app.runtime import device as devices
 from app.runtime.parts import ServedPart
 from app.runtime.selection import ENCODER_STAGE_PREFIX
@@ -260,11 +261,11 @@ class Runner:
         if tiles:
             return Attempt(part.decoder_for(True), True, "tiled")
         where = "host" if on_cpu else "device"
-        memory = f"this {part.part} run needs about {_mib(one)} of {where} memory"
+        memory = f"this {part.part} run needs about {mib(one)} of {where} memory"
         capacity = self._capacity(module)
         if one > capacity:
-            raise TooLarge(f"{memory}; the {where} has at most {_mib(capacity)} for one run")
-        raise OutOfMemory(f"{memory}; {_mib(budget)} is free to plan into now")
+            raise TooLarge(f"{memory}; the {where} has at most {mib(capacity)} for one run")
+        raise OutOfMemory(f"{memory}; {mib(budget)} is free to plan into now")
 
     def _budget(self, module: nn.Module) -> int:
         """The share of the free memory (the device's; the host's on the CPU) one run is
@@ -282,7 +283,7 @@ class Runner:
         if self.budget is not None:
             return int(self.budget * PLANNING_SHARE)
         total = devices.memory_capacity(_device_of(module), self.memory_cap)
-        weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        weights = sum(t.nbytes for t in module.state_dict().values())
         return int((total - weights) * PLANNING_SHARE)
 
     def _next_attempt(self, part: ServedPart, attempt: Attempt) -> Attempt:
@@ -428,10 +429,6 @@ def _download(x: Tensor) -> Tensor:
 
 def _tiled(decoder: VAEDecoder, tiled: bool | None) -> dict[str, Any]:
     return {"tiled": tiled} if decoder.supports_tiling and tiled is not None else {}
-
-
-def _mib(size: int) -> str:
-    return f"{size / 2**20:.1f} MiB"
 
 
 def _device_of(module: nn.Module) -> torch.device:
