@@ -466,6 +466,22 @@ def test_a_batch_window_fills_a_micro_batch_and_vae_batch_rows_shows_it(store):
         assert _sample(url, "vae_batch_rows_bucket", model="faulty", le="4.0") == 1
 
 
+def test_a_stop_during_a_batch_window_runs_the_batch_and_ends_the_worker(runtime):
+    """The stop sentinel can arrive while the worker waits to fill a micro-batch: the batch
+    runs, then the worker exits (it lost the sentinel and waited out the stop's timeout)."""
+    scheduler = Scheduler(runtime.runner, Metrics(), 4, 8, lambda r: None, batch_window_s=20)
+    scheduler.start()
+    job = Job(
+        runtime.models["faulty"], DecodeRequest(rows((0, 0, 139)), Output.TENSOR), PhaseTimer()
+    )
+    scheduler.submit(job)
+    faulty.wait_for("the worker waits in its window", scheduler._queue.empty)
+    t0 = time.monotonic()
+    scheduler.stop(timeout=10)
+    assert time.monotonic() - t0 < 5 and not scheduler._worker.is_alive()
+    assert job.future.result(timeout=0).shape[0] == 1
+
+
 def test_a_micro_batch_plans_no_more_memory_than_one_request_may(store):
     """VAE_MAX_DECODE_MB bounds a run, not only a request: on the CPU (no device budget) the
     worker would otherwise batch VAE_BATCH_ROWS requests each at the limit into one decode.

@@ -19,6 +19,7 @@ import torch
 
 from app.runtime.channel import FrameChannel
 from tests import faulty
+from tests.helpers import metric
 from tests.live import live_server
 from tests.mp4_client import RawStream, ffmpeg_children, video_latent
 
@@ -221,6 +222,43 @@ def test_a_small_decode_is_answered_between_the_chunks_of_a_running_video(server
         reader.join(60)
         s.close()
     assert s.body()[1] and len(faulty.decoded(tag)) == frames
+
+
+def test_a_stream_whose_client_left_while_waiting_its_turn_frees_its_slot_at_once(server):
+    """Streams queued while a video runs are taken off the queue between its chunks to wait
+    their turn; one whose client leaves there gives its stream slot back at once, not when
+    the running video ends."""
+    tag = 140.0
+    running = RawStream(server, video_latent(tag, 40, 8, faulty.SLEEP, 0.2))  # 8 s of chunks
+    reader = threading.Thread(target=running.read_paced, args=(1 << 20,))
+    try:
+        assert running.read_head()[0] == 200
+        reader.start()
+        waiting = [RawStream(server, video_latent(141 + i, 4, 8)) for i in range(2)]
+        faulty.wait_for("two streams waiting", lambda: metric(server, "vae_queue_depth") == 2)
+        at = len(faulty.decoded(tag))  # a chunk later they wait their turn off the queue
+        faulty.wait_for("two chunks more", lambda: len(faulty.decoded(tag)) >= at + 2)
+        for s in waiting:
+            s.close()
+        done = lambda: len(faulty.decoded(tag)) == 40  # noqa: E731
+        faulty.wait_for("both gone", lambda: metric(server, "vae_queue_depth") == 0 or done())
+        assert not done(), "the streams whose clients left waited until the video ended"
+        # both slots are free while the video runs: one more stream (the cap is 3) is admitted
+        # and waits, until its deadline
+        late = video_latent(143, 4, 8)
+        r = requests.post(
+            f"{server}/decode/faulty-video",
+            data=late.numpy().tobytes(),
+            params={"shape": json.dumps(list(late.shape)), "output_type": "mp4"},
+            headers={"Content-Type": "tensor/binary", "X-Request-Timeout": "0.5"},
+            timeout=30,
+        )
+        assert not done(), "the video ended first: nothing was tested"
+        assert r.status_code == 503 and "deadline" in r.json()["error"], r.text
+    finally:
+        reader.join(60)
+        running.close()
+    assert running.body()[1] and not {141, 142, 143} & set(faulty.decoded_tags())
 
 
 # --- the streams' total is capped -----------------------------------------------------------

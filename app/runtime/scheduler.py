@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,10 +149,12 @@ class Scheduler:
         self.device_lost = ""  # why the device is unusable, once it is
         self._queue: queue.Queue[Job | Call | None] = queue.Queue(maxsize=queue_depth)
         self._worker: threading.Thread | None = None
-        self._pending: Job | Call | None = None  # a job taken off the queue that did not batch
+        # Taken off the queue, not run yet (under ``_taken_lock``: ``withdraw`` looks here too):
+        self._pending: Job | Call | None = None  # the item that did not join a micro-batch
+        self._streams_waiting: deque[Job] = deque()  # chunked jobs taken during a stream
+        self._taken_lock = threading.Lock()
         self._stopping = False
         self._stop_seen = False  # the stop sentinel came while a stream ran: exit after it
-        self._streams_waiting: deque[Job] = deque()  # taken off the queue during a stream
         self.max_streams = max_streams
         self.streams = 0  # admitted streams not yet free (queued, decoding or sending)
         self._streams_lock = threading.Lock()
@@ -179,24 +181,37 @@ class Scheduler:
             self._worker.join(timeout)
 
     def fail_queued(self, exc: BaseException) -> int:
-        """Answer every job still waiting in the queue with ``exc``; how many there were."""
+        """Answer every job still waiting (queued, or taken off the queue and not run yet)
+        with ``exc``; how many there were."""
         failed = 0
-        while self._streams_waiting:
-            fail(self._streams_waiting.popleft(), exc)
-            failed += 1
+        for item in self._waiting_items():
+            if isinstance(item, Call):
+                if not item.future.done():  # an abandoned call's future is cancelled
+                    item.future.set_exception(exc)
+            else:
+                fail(item, exc)
+                failed += 1
+        self._count_waiting()
+        return failed
+
+    def _waiting_items(self) -> Iterator[Job | Call]:
+        """Take every waiting item: those taken off the queue first, then the queue's (the
+        stop sentinel skipped), without waiting."""
+        while (item := self._take_held()) is not None:
+            yield item
         while True:
             try:
-                job = self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
-                break
-            if isinstance(job, Call):
-                if not job.future.done():  # an abandoned call's future is cancelled
-                    job.future.set_exception(exc)
-            elif job is not None:
-                fail(job, exc)
-                failed += 1
-        self.metrics.queue_depth.set(0)
-        return failed
+                return
+            if item is not None:
+                yield item
+
+    def _count_waiting(self) -> None:
+        """``vae_queue_depth``: every job waiting for the worker, taken off the queue or not."""
+        with self._taken_lock:
+            taken = len(self._streams_waiting) + (self._pending is not None)
+        self.metrics.queue_depth.set(self._queue.qsize() + taken)
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the decode worker and return its result (inline if none runs)."""
@@ -219,22 +234,54 @@ class Scheduler:
             if job.channel is not None:
                 job.channel.close()  # gives its slot back
             raise QueueFull from None
-        self.metrics.queue_depth.set(self._queue.qsize())
+        self._count_waiting()
         return job.future
 
     def withdraw(self, job: Job) -> None:
-        """Take a job out of the queue (its caller left, or its deadline passed while it
-        waited): its slot and its input are free at once, not when the worker reaches it. A
-        job the worker has taken already is left to it."""
+        """Take a job that waits out (its caller left, or its deadline passed while it
+        waited): its queue slot, its stream slot and its input are free at once, not when the
+        worker reaches it. A job the worker runs already is left to it."""
+        if not (self._unqueue(job) or self._untake(job)):
+            return
+        self._count_waiting()
+        if job.channel is not None:
+            job.channel.close()  # never streamed: its stream slot is free
+
+    def _unqueue(self, job: Job) -> bool:
         with self._queue.mutex:  # queue.Queue's own lock and deque: no API removes one item
             try:
                 self._queue.queue.remove(job)
             except ValueError:
-                return
+                return False
             self._queue.not_full.notify()
-        self.metrics.queue_depth.set(self._queue.qsize())
-        if job.channel is not None:
-            job.channel.close()  # never streamed: its stream slot is free
+        return True
+
+    def _untake(self, job: Job) -> bool:
+        with self._taken_lock:
+            if self._pending is job:
+                self._pending = None
+                return True
+            try:
+                self._streams_waiting.remove(job)
+            except ValueError:
+                return False
+        return True
+
+    def _take_held(self) -> Job | Call | None:
+        """The next item taken off the queue already: the one that did not join a
+        micro-batch, else the first stream waiting its turn."""
+        with self._taken_lock:
+            item, self._pending = self._pending, None
+            if item is None and self._streams_waiting:
+                item = self._streams_waiting.popleft()
+            return item
+
+    def _hold(self, item: Job | Call, *, stream: bool = False) -> None:
+        with self._taken_lock:
+            if stream:
+                self._streams_waiting.append(item)
+            else:
+                self._pending = item
 
     def _admit_stream(self, channel: FrameChannel) -> None:
         with self._streams_lock:
@@ -252,11 +299,8 @@ class Scheduler:
     # --- the worker -------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop_seen:
-            item = self._pending or (
-                self._streams_waiting.popleft() if self._streams_waiting else self._next()
-            )
-            self._pending = None
-            self._run_item(item)
+            item = self._take_held()
+            self._run_item(item if item is not None else self._next())
         self.fail_queued(Stopped("the service is shutting down"))
 
     def _next(self) -> Job | Call | None:
@@ -283,8 +327,8 @@ class Scheduler:
         Whether there was any."""
         did = False
         for _ in range(self._queue.qsize() + 1):
-            item = self._pending
-            self._pending = None
+            with self._taken_lock:
+                item, self._pending = self._pending, None
             if item is None:
                 try:
                     item = self._queue.get_nowait()
@@ -292,7 +336,7 @@ class Scheduler:
                     break
             did = True
             if isinstance(item, Job) and item.chunked:
-                self._streams_waiting.append(item)
+                self._hold(item, stream=True)
             elif item is None:
                 self._stop_seen = True  # finish this stream, then exit
                 break
@@ -304,7 +348,7 @@ class Scheduler:
         batch: list[Job] = [job]
         try:
             batch = self._gather(job)
-            self.metrics.queue_depth.set(self._queue.qsize())
+            self._count_waiting()
             self.metrics.inflight.set(len(batch))
             self._decode_batch(batch)
         except Exception as exc:  # a bug here must fail its jobs, not stop the worker
@@ -333,14 +377,16 @@ class Scheduler:
                 nxt = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
             except queue.Empty:
                 break
+            if nxt is None:  # the stop sentinel: finish this batch, then exit
+                self._stop_seen = True
+                break
             if (
-                nxt is None
-                or isinstance(nxt, Call)
+                isinstance(nxt, Call)
                 or nxt.chunked
                 or nxt.batch_key() != key
                 or rows + nxt.rows > cap
             ):
-                self._pending = nxt
+                self._hold(nxt)
                 break
             batch.append(nxt)
             rows += nxt.rows
