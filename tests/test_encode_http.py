@@ -359,6 +359,22 @@ def test_declared_limits_are_refused_before_the_body_is_sent(url):
     assert status == 413 and "limit" in body["error"]
 
 
+def test_an_encode_that_never_fits_the_host_is_413_before_its_body(store, url):
+    """Encoders never tile: pixels whose one run plans more than the capped host could ever
+    hold are refused from their declared shape, before the body is sent; uncapped, the same
+    pixels encode."""
+    from tests.helpers import raw_request, read_response
+
+    pixels = torch.zeros(1, 3, 256, 256)
+    target = "/encode/flux-enc?shape=[1,3,256,256]&dtype=float32"
+    length = {"Content-Length": str(pixels.nbytes)}
+    with live_server(store, dtype="float32", device_memory_gb=1e-6) as capped:
+        status, body = read_response(raw_request(capped, target, headers=length))
+    assert status == 413 and "one run here can plan at most 0.0 MiB" in body["error"], body
+    r = requests.post(url + target, data=pixels.numpy().tobytes())
+    assert r.status_code == 200, r.text
+
+
 def test_serve_encoders_false_decodes_only(store):
     with live_server(store, dtype="float32", serve_encoders=False) as url:
         models = requests.get(f"{url}/models").json()["models"]

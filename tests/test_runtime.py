@@ -28,6 +28,7 @@ from app.telemetry import timing
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
 from tests import faulty, launch
+from tests.helpers import raw_request, read_response
 from tests.live import bake, live_server
 from tests.mp4_client import ffmpeg_children
 
@@ -168,16 +169,26 @@ def test_the_cpu_plans_into_the_hosts_memory(store):
 def test_a_run_that_never_fits_the_host_is_413_one_that_may_later_503(tmp_path):
     """A part that cannot tile (MiniMax-H3's image decoder), the CPU capped well under the
     process's resident set: a run that would fit the cap holding nothing but its weights may
-    fit later (503 + Retry-After); one larger than that never fits this instance (413)."""
+    fit later (503 + Retry-After); one larger than that never fits this instance (413, from
+    the declared shape before the body is sent)."""
     bake(tmp_path, "minimax-h3", "mm", minimax_h3.SYNTHETIC["minimax-h3-image-tiny"])
     _, decoder = load_model(tmp_path, "mm")
     small, large = torch.zeros(1, 24, 8, 8), torch.zeros(1, 24, 32, 32)
     plan = decoder.planned_bytes(tuple(small.shape), 4)
-    weights = sum(t.numel() * t.element_size() for t in decoder.state_dict().values())
+    weights = sum(t.nbytes for t in decoder.state_dict().values())
     assert decoder.planned_bytes(tuple(large.shape), 4) > 4 * plan  # over the capacity below
     cap_gb = (weights + 3 * plan) / 2**30  # capacity 0.8 x 3 plans; resident far above it
     for cap, z, status in ((cap_gb, small, 503), (cap_gb, large, 413), (0.0, large, 200)):
         with live_server(tmp_path, device="cpu", dtype="float32", device_memory_gb=cap) as url:
+            if status == 413:  # the head alone: refused before a byte of the body is sent
+                target = f"/decode/mm?shape={json.dumps(list(z.shape))}&dtype=float32"
+                length = {"Content-Length": str(z.nbytes)}
+                code, body = read_response(
+                    raw_request(url, target.replace(" ", ""), headers=length)
+                )
+                assert code == 413, body
+                assert "one run here can plan at most" in body["error"], body
+                continue
             r = requests.post(
                 f"{url}/decode/mm",
                 params={"shape": json.dumps(list(z.shape)), "dtype": "float32"},
@@ -186,9 +197,8 @@ def test_a_run_that_never_fits_the_host_is_413_one_that_may_later_503(tmp_path):
                 timeout=60,
             )
         assert r.status_code == status, (cap, r.text[:300])
-        if status != 200:
-            assert "MiB of host memory" in r.json()["error"]
-            assert ("retry-after" in r.headers) is (status == 503)
+        if status == 503:
+            assert "MiB of host memory" in r.json()["error"] and "retry-after" in r.headers
 
 
 def test_out_of_memory_splits_the_batch_then_tiles_the_row_that_needs_it(runtime):

@@ -150,7 +150,7 @@ def _request(path: Path, query: dict[str, Any], runtime: Any, served: Any) -> An
         [(k, str(v)) for k, v in query.items()],
         [("content-type", LATENT_CONTENT_TYPES[path.suffix.lower()])],
     )
-    limits = served.limits(runtime.settings.limits())
+    limits = runtime.limits(served)
     return asyncio.run(validate(head, served.geometry, limits, lambda limit: path.read_bytes()))
 
 

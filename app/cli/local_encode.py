@@ -115,7 +115,7 @@ def _request(path: Path, options: dict[str, Any], runtime: Any, served: Any) -> 
 
     query = [(k, _wire(v)) for k, v in options.items() if v is not None and v is not False]
     head = parse_encode_head(query, [("content-type", BODY_TYPES[path.suffix.lower()])])
-    limits = served.limits(runtime.settings.limits())
+    limits = runtime.limits(served)
     geo = EncoderGeometry.of(served.active)
     return asyncio.run(validate_encode(head, geo, limits, lambda limit: path.read_bytes()))
 

@@ -57,7 +57,7 @@ async def _decode(
         decode = await validate(
             head,
             model.geometry,
-            model.limits(settings.limits()),
+            serving.runtime.limits(model),
             read,
             deadline=deadline(request.state.started, head, settings),
             request_id=request.state.request_id,

@@ -51,7 +51,7 @@ async def _encode(
         encode = await validate_encode(
             head,
             EncoderGeometry.of(served.active),
-            model.limits(settings.limits()),
+            serving.runtime.limits(served),
             read,
             deadline=deadline(request.state.started, head, settings),
             request_id=request.state.request_id,

@@ -41,7 +41,7 @@ from app.protocol.output import parse_accept
 from app.protocol.params import ENCODE_PARAMS, WIRE_DTYPES, DecodeParams, _bool, parse_params
 from app.protocol.params import parse_timeout as _parse_timeout
 from app.protocol.request import EncodeRequest, EncodeScaling, LatentFormat
-from app.protocol.shapes import Limits
+from app.protocol.shapes import Limits, check_run
 
 IMAGE_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 MP4_TYPES = {"video/mp4"}
@@ -265,6 +265,7 @@ def _check_size(b: int, frames: int, h: int, w: int, geo: EncoderGeometry, limit
             f"memory; the limit is {limits.max_decode_bytes >> 20} MiB",
             "a smaller input",
         )
+    check_run(geo.planned_bytes((1, *shape[1:])), limits, f"encoding {frames} frames of {w}x{h}")
     if min(h, w) < geo.spatial_scale:
         raise ProtocolError(
             422, f"input {w}x{h} is smaller than one latent cell", f">= {geo.spatial_scale} px"

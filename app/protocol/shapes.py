@@ -35,6 +35,9 @@ class Limits:
     max_elements: int = 64 << 20  # latent elements
     max_output_bytes: int = 1 << 30  # the response body (MP4s stream: bounded per frame)
     max_decode_bytes: int = 16 << 30  # the decoder's estimated working memory per request
+    # one row's planned memory where the part cannot tile: the most one run could ever hold
+    # on this instance (None: it tiles, or nothing bounds it)
+    max_run_bytes: int | None = None
 
     def tightened(self, config: dict[str, Any]) -> Limits:
         """These limits, lowered by a model's own ``max_pixels``/``max_frames``/``max_batch``.
@@ -205,6 +208,22 @@ def check_shape(
             f"decoding {b}x{frames} frames of {w}x{h} needs about {mib(work)} of working "
             f"memory; the limit is {mib(limits.max_decode_bytes)}",
             "a smaller latent or batch",
+        )
+    if kind is not Output.PREVIEW:
+        check_run(
+            geo.planned_bytes((1, *shape[1:])), limits, f"decoding {frames} frames of {w}x{h}"
+        )
+
+
+def check_run(row_bytes: int, limits: Limits, what: str) -> None:
+    """413 for a run of one row that plans more than this instance could ever hold (a part
+    that cannot tile): it never fits, so it is refused before its body, not retried."""
+    if limits.max_run_bytes is not None and row_bytes > limits.max_run_bytes:
+        raise ProtocolError(
+            413,
+            f"too large for this instance: {what} needs about {mib(row_bytes)} in one run (this "
+            f"model does not tile); one run here can plan at most {mib(limits.max_run_bytes)}",
+            "a smaller input",
         )
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
 
 from app.config import Settings
+from app.protocol import Limits
 from app.protocol.request import DecodeRequest
 from app.runtime import compiled, heap
 from app.runtime.parts import ServedPart
@@ -116,6 +118,13 @@ class Runtime:
 
     def withdraw(self, job: Job) -> None:
         self.scheduler.withdraw(job)
+
+    def limits(self, part: ServedPart) -> Limits:
+        """What one request for ``part`` may ask: the server's limits tightened by the part's
+        manifest, and, where it cannot tile, the most one run could ever plan here."""
+        return replace(
+            part.limits(self.settings.limits()), max_run_bytes=self.runner.capacity(part)
+        )
 
     def warm_up(self) -> None:
         """Decode each ``VAE_WARMUP_SHAPES`` shape once on every model it fits, on the decode

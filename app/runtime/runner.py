@@ -276,6 +276,12 @@ class Runner:
             budget = devices.memory_budget(_device_of(module), self.memory_cap)
         return int(budget * PLANNING_SHARE)
 
+    def capacity(self, part: ServedPart) -> int | None:
+        """The most one run of ``part`` could ever plan here where it cannot tile (more is
+        ``TooLarge``); None where it tiles (any size runs, in tiles)."""
+        module = part.active
+        return None if getattr(module, "supports_tiling", False) else self._capacity(module)
+
     def _capacity(self, module: nn.Module) -> int:
         """The share of the device's whole memory (the host's on the CPU) less the part's
         weights: what one run could plan into with nothing else resident, the most any budget
@@ -284,7 +290,7 @@ class Runner:
             return int(self.budget * PLANNING_SHARE)
         total = devices.memory_capacity(_device_of(module), self.memory_cap)
         weights = sum(t.nbytes for t in module.state_dict().values())
-        return int((total - weights) * PLANNING_SHARE)
+        return max(0, int((total - weights) * PLANNING_SHARE))
 
     def _next_attempt(self, part: ServedPart, attempt: Attempt) -> Attempt:
         if getattr(attempt.decoder, "supports_tiling", False) and attempt.tiled is not True:
