@@ -12,7 +12,6 @@ import json
 import struct
 import subprocess
 import tempfile
-import time
 import zlib
 from pathlib import Path
 
@@ -265,15 +264,13 @@ def long_clip() -> bytes:
 
 
 def test_more_frames_than_the_limit_is_refused_before_decoding(url, long_clip):
-    started = time.perf_counter()
     r = requests.post(f"{url}/encode/ltx-tiny", data=long_clip, headers=MP4, timeout=120)
-    elapsed = time.perf_counter() - started
     assert r.status_code == 413, r.text
     assert f"more than {MAX_FRAMES} frames" in r.json()["error"]
-    assert elapsed < 2.0, f"{elapsed:.2f} s: frames were decoded"
-    # no frame of it can be decoded: only the index can have told
+    # before decoding (not timed: a loaded host is slow either way): with no frame of it
+    # decodable, only the index can have told
     r = requests.post(f"{url}/encode/ltx-tiny", data=zero_media_data(long_clip), headers=MP4)
-    assert r.status_code == 413, r.text
+    assert r.status_code == 413 and f"more than {MAX_FRAMES} frames" in r.json()["error"], r.text
 
 
 def test_a_frame_past_max_pixels_is_refused(url):
