@@ -277,11 +277,16 @@ class Scheduler:
             return item
 
     def _hold(self, item: Job | Call, *, stream: bool = False) -> None:
+        """Keep ``item`` to run later; one withdrawn while the worker held it is dropped, as
+        ``admit`` would (its future is cancelled before ``withdraw`` looks here)."""
         with self._taken_lock:
-            if stream:
+            withdrawn = item.future.cancelled()
+            if not withdrawn and stream:
                 self._streams_waiting.append(item)
-            else:
+            elif not withdrawn:
                 self._pending = item
+        if withdrawn and isinstance(item, Job) and item.channel is not None:
+            item.channel.close()  # never streamed: its stream slot is free
 
     def _admit_stream(self, channel: FrameChannel) -> None:
         with self._streams_lock:
