@@ -137,12 +137,13 @@ def memory_budget(device: torch.device, cap_bytes: int = 0) -> int:
 
 
 def memory_capacity(device: torch.device, cap_bytes: int = 0) -> int:
-    """Bytes ``device`` has at all, within ``cap_bytes`` (0: no cap): a GPU's total memory;
-    the CPU's, the host's within its cgroup's limit."""
+    """Bytes ``device`` has at all, within ``cap_bytes`` (0: no cap): a GPU's total memory
+    (its cached properties: the request handlers ask, and make no CUDA call); the CPU's, the
+    host's within its cgroup's limit."""
     if device.type != "cuda":
         total = host_memory.total()
     else:
-        total = torch.cuda.mem_get_info(device)[1]
+        total = torch.cuda.get_device_properties(device).total_memory
     return min(total, cap_bytes) if cap_bytes else total
 
 
