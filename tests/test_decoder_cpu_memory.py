@@ -51,8 +51,9 @@ def test_every_family_is_measured() -> None:
 
 # What the process keeps resident over a decode, which is what the kernel kills for, past the
 # plan: thread arenas, freed maps under glibc's mmap threshold kept in them, oneDNN's kernels.
-# A fixed amount (measured up to 88 MiB at these sizes: docs/decoders.md), not a ratio.
-RESIDENT_SLACK = 128 << 20
+# A fixed amount, not a ratio: measured up to 130 MiB at these sizes, and varying run to run
+# (HunyuanVideo /4 exact: 11 to 130 MiB over its plan; docs/decoders.md).
+RESIDENT_SLACK = 192 << 20
 # The published widths where the reduced ones miss what is measured: LTX's 1024-channel convs
 # (and the 4096-channel one before its depth-to-space) re-order weights of up to 216 MiB in bf16.
 FULL_WIDTH = [("ltx", "LTX 0.9.1", LTX_091, (17, 256, 256), "bf16")]
