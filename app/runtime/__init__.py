@@ -16,10 +16,10 @@ import torch
 from app.config import Settings
 from app.protocol import Limits
 from app.protocol.request import DecodeRequest
-from app.runtime import compiled, heap
+from app.runtime import compiled, heap, host_memory
 from app.runtime.parts import ServedPart
 from app.runtime.registry import Registry
-from app.runtime.runner import Runner
+from app.runtime.runner import Runner, weight_bytes
 from app.runtime.scheduler import Job, Scheduler
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
@@ -41,6 +41,9 @@ class Runtime:
             settings.max_decode_mpixels << 20,
             max_planned_bytes=settings.max_decode_mb << 20,
         )
+        self.process_bytes = host_memory.resident()  # the interpreter and torch, no model yet
+        self._held: tuple[tuple, int] | None = None  # resident_bytes's last (key, bytes)
+        self.runner.resident = self.resident_bytes
         self.scheduler = Scheduler(
             self.runner,
             metrics,
@@ -118,6 +121,18 @@ class Runtime:
 
     def withdraw(self, job: Job) -> None:
         self.scheduler.withdraw(job)
+
+    def resident_bytes(self, device: torch.device) -> int:
+        """What stays resident on ``device`` whatever runs: every served part's weights there
+        (the exact CPU copy and the served one), and on the CPU the process as it started."""
+        parts = [*self.registry.models.values(), *self.registry.encoders.values()]
+        modules = {id(m): m for part in parts for m in (part.reference, part.fast)}
+        key = (device.type, *sorted(modules))
+        held = self._held
+        if held is None or held[0] != key:  # summed again only when the served copies change
+            weights = sum(weight_bytes(m, device) for m in modules.values())
+            held = self._held = (key, weights + (self.process_bytes if device.type == "cpu" else 0))
+        return held[1]
 
     def limits(self, part: ServedPart) -> Limits:
         """What one request for ``part`` may ask: the server's limits tightened by the part's

@@ -87,6 +87,9 @@ class Runner:
         self.memory_cap = memory_cap
         self.max_decode_pixels = max_decode_pixels
         self.max_planned_bytes = max_planned_bytes  # one run's planned memory, any device
+        # what stays resident on a device whatever runs (the runtime's: every served part's
+        # weights, the process itself); None: a part's own weights only
+        self.resident: Callable[[torch.device], int] | None = None
 
     # --- the scheduler's calls: rows, chunks, and what chunks add up to -------------------
     def rows(self, part: ServedPart, request: Request, timer: PhaseTimer) -> list[Tensor]:
@@ -283,14 +286,17 @@ class Runner:
         return None if getattr(module, "supports_tiling", False) else self._capacity(module)
 
     def _capacity(self, module: nn.Module) -> int:
-        """The share of the device's whole memory (the host's on the CPU) less the part's
-        weights: what one run could plan into with nothing else resident, the most any budget
-        can be."""
+        """The share of the device's whole memory (the host's on the CPU) less what stays
+        resident there whatever runs: what one run could plan into once every other run and
+        request is done, the most any budget can be."""
         if self.budget is not None:
             return int(self.budget * PLANNING_SHARE)
-        total = devices.memory_capacity(_device_of(module), self.memory_cap)
-        weights = sum(t.nbytes for t in module.state_dict().values())
-        return max(0, int((total - weights) * PLANNING_SHARE))
+        device = _device_of(module)
+        held = weight_bytes(module, device)
+        if self.resident is not None:
+            held = max(held, self.resident(device))
+        total = devices.memory_capacity(device, self.memory_cap)
+        return max(0, int((total - held) * PLANNING_SHARE))
 
     def _next_attempt(self, part: ServedPart, attempt: Attempt) -> Attempt:
         if getattr(attempt.decoder, "supports_tiling", False) and attempt.tiled is not True:
@@ -435,6 +441,11 @@ def _download(x: Tensor) -> Tensor:
 
 def _tiled(decoder: VAEDecoder, tiled: bool | None) -> dict[str, Any]:
     return {"tiled": tiled} if decoder.supports_tiling and tiled is not None else {}
+
+
+def weight_bytes(module: nn.Module, device: torch.device) -> int:
+    """The bytes of ``module``'s weights and buffers that are on ``device``'s kind."""
+    return sum(t.nbytes for t in module.state_dict().values() if t.device.type == device.type)
 
 
 def _device_of(module: nn.Module) -> torch.device:
