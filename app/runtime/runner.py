@@ -288,7 +288,8 @@ class Runner:
     def _capacity(self, module: nn.Module) -> int:
         """The share of the device's whole memory (the host's on the CPU) less what stays
         resident there whatever runs: what one run could plan into once every other run and
-        request is done, the most any budget can be."""
+        request is done, the most any budget can be (on the CPU at least the budget now: the
+        memory-mapped weights of parts not run yet are not resident)."""
         if self.budget is not None:
             return int(self.budget * PLANNING_SHARE)
         device = _device_of(module)
@@ -296,7 +297,10 @@ class Runner:
         if self.resident is not None:
             held = max(held, self.resident(device))
         total = devices.memory_capacity(device, self.memory_cap)
-        return max(0, int((total - held) * PLANNING_SHARE))
+        capacity = max(0, int((total - held) * PLANNING_SHARE))
+        if device.type == "cpu":  # mapped weights are resident once read: what fits now fits
+            capacity = max(capacity, self._budget(module))
+        return capacity
 
     def _next_attempt(self, part: ServedPart, attempt: Attempt) -> Attempt:
         if getattr(attempt.decoder, "supports_tiling", False) and attempt.tiled is not True:
