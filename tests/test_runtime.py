@@ -166,7 +166,7 @@ def test_the_cpu_plans_into_the_hosts_memory(store):
         assert faulty.decoded(tag) == expected, cap_gb
 
 
-def test_a_run_that_never_fits_the_host_is_413_one_that_may_later_503(tmp_path):
+def test_a_run_that_never_fits_the_host_is_413_one_that_may_later_503(tmp_path, caplog):
     """A part that cannot tile (MiniMax-H3's image decoder) under a cap a little above what
     this process holds: a run that fits is decoded; the same run while the process holds
     more for a while (another request's memory) may fit later (503 + Retry-After); one larger
@@ -191,6 +191,8 @@ def test_a_run_that_never_fits_the_host_is_413_one_that_may_later_503(tmp_path):
         code, body = read_response(raw_request(url, target.replace(" ", ""), headers=length))
     assert busy.status_code == 503 and "retry-after" in busy.headers, busy.text
     assert "MiB of host memory" in busy.json()["error"], busy.text
+    planned = [r for r in caplog.records if "free to plan into now" in r.getMessage()]
+    assert planned and {r.levelname for r in planned} == {"WARNING"}  # load, not a fault
     assert code == 413 and "one run here can plan at most" in body["error"], body
 
 

@@ -48,6 +48,11 @@ class OutOfMemory(Exception):
     """No way of decoding this latent fits the device's memory now (503, Retry-After)."""
 
 
+class NoRoomNow(OutOfMemory):
+    """Refused by the plan, before running: the memory free now is too little (load, not a
+    fault: logged as a warning)."""
+
+
 class TooLarge(Exception):
     """This run cannot fit the device's memory even with nothing else resident (413)."""
 
@@ -268,7 +273,7 @@ class Runner:
         capacity = self._capacity(module)
         if one > capacity:
             raise TooLarge(f"{memory}; the {where} has at most {mib(capacity)} for one run")
-        raise OutOfMemory(f"{memory}; {mib(budget)} is free to plan into now")
+        raise NoRoomNow(f"{memory}; {mib(budget)} is free to plan into now")
 
     def _budget(self, module: nn.Module) -> int:
         """The share of the free memory (the device's; the host's on the CPU) one run is

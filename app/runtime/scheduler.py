@@ -40,12 +40,13 @@ from app.protocol.request import DecodeRequest, EncodeRequest
 from app.runtime import device as devices
 from app.runtime.channel import FrameChannel
 from app.runtime.parts import ENCODER, ServedPart
-from app.runtime.runner import InvalidInput, NonFiniteOutput, Runner, TooLarge
+from app.runtime.runner import InvalidInput, NonFiniteOutput, NoRoomNow, Runner, TooLarge
 from app.telemetry.metrics import Metrics
 from app.telemetry.timing import PhaseTimer
 
 log = logging.getLogger("app.runtime.scheduler")
-REFUSALS = (TooLarge, InvalidInput, NonFiniteOutput)  # answered 413 / 422
+# answered 413 / 422 (the request's own), or 503 by the plan (load): warnings, not errors
+REFUSALS = (TooLarge, InvalidInput, NonFiniteOutput, NoRoomNow)
 
 
 class QueueFull(Exception):
@@ -478,7 +479,7 @@ class Scheduler:
     def _failed(self, batch: list[Job], exc: BaseException) -> None:
         if self._lost(exc):
             exc = DeviceLost(self.device_lost)
-        else:  # a refusal of the request's own input (a 4xx) is not the service's fault
+        else:  # a refusal (the request's own input, or the plan under load) is no fault
             level = logging.WARNING if isinstance(exc, REFUSALS) else logging.ERROR
             part = batch[0].part
             log.log(level, "%s failed for model %s: %s", part.part, part.name, exc)
