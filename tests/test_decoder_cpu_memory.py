@@ -51,9 +51,10 @@ def test_every_family_is_measured() -> None:
 
 # What the process keeps resident over a decode, which is what the kernel kills for, past the
 # plan: thread arenas, freed maps under glibc's mmap threshold kept in them, oneDNN's kernels.
-# A fixed amount, not a ratio: measured up to 130 MiB at these sizes, and varying run to run
-# (HunyuanVideo /4 exact: 11 to 130 MiB over its plan; docs/decoders.md).
-RESIDENT_SLACK = 192 << 20
+# A fixed amount, not a ratio: it varies run to run and with the machine's load (HunyuanVideo
+# /4 exact: 11 to 114 MiB over its plan here, 130 and 162 in two loaded full-suite runs;
+# docs/decoders.md). LTX's under-plan that this test found was 243 MiB over.
+RESIDENT_SLACK = 224 << 20
 # The published widths where the reduced ones miss what is measured: LTX's 1024-channel convs
 # (and the 4096-channel one before its depth-to-space) re-order weights of up to 216 MiB in bf16.
 FULL_WIDTH = [("ltx", "LTX 0.9.1", LTX_091, (17, 256, 256), "bf16")]
