@@ -272,8 +272,12 @@ def test_a_slower_mode_is_not_served_because_of_the_cpu_flags(sleepy, monkeypatc
 
 
 @pytest.mark.bf16_order
-def test_the_exact_path_serves_first_then_the_measured_mode(sleepy):
+def test_the_exact_path_serves_first_then_the_measured_mode(sleepy, monkeypatch):
     """VAE_SELECT=auto on the CPU: ready on the exact path, the winner swapped in after."""
+    # every mode its repeats, as in the test above: two loaded full-suite runs served float32
+    # exact here, most likely bf16's first decode stalled past 3x the slept ones and was never
+    # timed again (the assertion prints the whole entry, candidates' times included)
+    monkeypatch.setattr(selection, "CLEARLY_SLOWER", float("inf"))
     store = sleepy(["float32", "float32 exact", "bfloat16 exact"], sleep_s=1.5)
     with live_server(store, selected=False, models="sleepy", dtype="auto") as url:
         ready = requests.get(f"{url}/readyz")
@@ -287,7 +291,7 @@ def test_the_exact_path_serves_first_then_the_measured_mode(sleepy):
             if late["selection"] == "done":
                 break
             time.sleep(0.2)
-        assert late["mode"] == "bfloat16" and late["path"] == "optimized", late
+        assert late["mode"] == "bfloat16" and late["path"] == "optimized", json.dumps(late)
 
 
 # --- the tiled gate ----------------------------------------------------------------------------
