@@ -41,7 +41,7 @@ from app.protocol.output import parse_accept
 from app.protocol.params import ENCODE_PARAMS, WIRE_DTYPES, DecodeParams, _bool, parse_params
 from app.protocol.params import parse_timeout as _parse_timeout
 from app.protocol.request import EncodeRequest, EncodeScaling, LatentFormat
-from app.protocol.shapes import Limits, check_run
+from app.protocol.shapes import Limits, check_run, mib
 
 IMAGE_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 MP4_TYPES = {"video/mp4"}
@@ -261,8 +261,8 @@ def _check_size(b: int, frames: int, h: int, w: int, geo: EncoderGeometry, limit
     if work > limits.max_decode_bytes:
         raise ProtocolError(
             413,
-            f"encoding {b}x{frames} frames of {w}x{h} needs about {work >> 20} MiB of working "
-            f"memory; the limit is {limits.max_decode_bytes >> 20} MiB",
+            f"encoding {b}x{frames} frames of {w}x{h} needs about {mib(work)} of working "
+            f"memory; the limit is {mib(limits.max_decode_bytes)}",
             "a smaller input",
         )
     check_run(geo.planned_bytes((1, *shape[1:])), limits, f"encoding {frames} frames of {w}x{h}")

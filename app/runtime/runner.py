@@ -298,9 +298,8 @@ class Runner:
         if self.budget is not None:
             return int(self.budget * PLANNING_SHARE)
         device = _device_of(module)
-        held = weight_bytes(module, device)
-        if self.resident is not None:
-            held = max(held, self.resident(device))
+        # the runtime's count holds every served copy's weights: no walk of this one's
+        held = self.resident(device) if self.resident else weight_bytes(module, device)
         total = devices.memory_capacity(device, self.memory_cap)
         capacity = max(0, int((total - held) * PLANNING_SHARE))
         if device.type == "cpu":  # mapped weights are resident once read: what fits now fits

@@ -277,6 +277,12 @@ class Scheduler:
                 item = self._streams_waiting.popleft()
             return item
 
+    def _take_pending(self) -> Job | Call | None:
+        """The item that did not join a micro-batch, if any (streams keep waiting)."""
+        with self._taken_lock:
+            item, self._pending = self._pending, None
+            return item
+
     def _hold(self, item: Job | Call, *, stream: bool = False) -> None:
         """Keep ``item`` to run later; one withdrawn while the worker held it is dropped, as
         ``admit`` would (its future is cancelled before ``withdraw`` looks here)."""
@@ -333,8 +339,7 @@ class Scheduler:
         Whether there was any."""
         did = False
         for _ in range(self._queue.qsize() + 1):
-            with self._taken_lock:
-                item, self._pending = self._pending, None
+            item = self._take_pending()
             if item is None:
                 try:
                     item = self._queue.get_nowait()
