@@ -163,4 +163,4 @@ def test_an_ltx_clip_of_a_frame_count_its_encoder_refuses_is_a_422_naming_the_ru
         )
     assert r.status_code == 422, r.text
     error = r.json()["error"]
-    assert "encoder" in error and "8 frames" in error and "1 + 4k" in error, error
+    assert "encoder" in error and "8 frames" in error and "1 + 8k" in error, error

@@ -30,16 +30,19 @@ FAMILIES: dict[str, ModuleType] = {
     "minimax_h3": minimax_h3,
 }
 CONFIGS = [(family, name) for family, m in FAMILIES.items() for name in m.SYNTHETIC]
-# (family, frames, chunks, frames one unit reads at most, frames held between chunks) under
-# the default schedule: 1 frame, one unit, several units, a count trimmed / padded / cut
+# (family, or one embedded config's name; frames, chunks, frames one unit reads at most, frames
+# held between chunks) under the default schedule: 1 frame, one unit, several units, a count
+# trimmed / padded / cut
 SCHEDULES: list[tuple[str, int, int, int, int]] = [
     ("wan", 1, 1, 1, 0),
     ("wan", 17, 1, 17, 0),  # 1 + 16: one chunk
     ("wan", 41, 3, 17, 0),  # 17 + 16 + 8
     ("wan", 23, 2, 17, 0),  # trimmed to 21 = 17 + 4
     ("ltx", 1, 1, 1, 0),
-    ("ltx", 17, 1, 17, 0),  # 1 + 16 (4 latent frames x temporal scale 4): one pass
-    ("ltx", 41, 3, 17, 0),  # 17 + 16 + 8
+    ("ltx2-tiny", 17, 1, 17, 0),  # 1 + 16 (4 latent frames x temporal scale 4): one pass
+    ("ltx2-tiny", 41, 3, 17, 0),  # 17 + 16 + 8
+    ("ltx-tiny", 33, 1, 33, 0),  # 1 + 32 (4 latent frames x temporal scale 8)
+    ("ltx-tiny", 81, 3, 33, 0),  # 33 + 32 + 16
     ("hunyuan_video", 1, 1, 1, 0),
     ("hunyuan_video", 16, 1, 16, 0),  # one window
     ("hunyuan_video", 41, 4, 17, 5),  # 17-frame windows every 12 frames
@@ -49,6 +52,11 @@ SCHEDULES: list[tuple[str, int, int, int, int]] = [
     ("minimax_h3", 17, 1, 17, 0),
     ("minimax_h3", 45, 3, 17, 0),  # 3 clips, the last padded; the drop cuts it
 ]
+
+
+def named(key: str) -> list[tuple[str, str]]:
+    """(family, name) of each embedded config a schedule's key names: a family's, or one."""
+    return [(family, name) for family, name in CONFIGS if key in (family, name)]
 
 
 @cache
@@ -119,8 +127,8 @@ def held_between_chunks(rec: RecordingClip) -> int:
 def test_chunks_concatenate_to_moments(family, name):
     """Every default schedule of ``SCHEDULES``, from a clip and from a tensor: bitwise."""
     enc = encoder(family, name)
-    for fam, frames, count, _, _ in SCHEDULES:
-        if fam != family:
+    for key, frames, count, _, _ in SCHEDULES:
+        if key not in (family, name):
             continue
         x = clip(enc, frames)
         whole = enc.moments(x)
@@ -146,24 +154,26 @@ LTX_TILES = {"tiled": True, "tile_sample_size": 64, "tile_sample_stride": 32}
 
 
 @pytest.mark.parametrize(
-    "family,options,frames,count,cells",
+    "key,options,frames,count,cells",
     [
         ("wan", {"chunk_frames": 4}, 13, 3, 2),  # 5 + 4 + 4
         ("wan", {"chunk_frames": 0}, 13, 1, 2),
         ("wan", WAN_TILES, 21, 1, 6),  # tiles: the whole clip
-        ("ltx", {"chunk_frames": 4}, 13, 3, 2),
+        ("ltx2-tiny", {"chunk_frames": 4}, 13, 3, 2),  # 5 + 4 + 4
+        ("ltx-tiny", {"chunk_frames": 8}, 25, 3, 2),  # 9 + 8 + 8
         ("ltx", {"chunk_frames": 0}, 41, 1, 2),
         # 17-frame windows every 8 frames, in diffusers' temporal ratio (8 for these configs)
         ("ltx", {"framewise": True}, 41, 5, 2),
-        ("ltx", LTX_TILES, 21, 1, 6),
+        ("ltx2-tiny", LTX_TILES, 21, 1, 6),
+        ("ltx-tiny", LTX_TILES, 17, 1, 3),
         ("hunyuan_video", {"framewise": False}, 30, 1, 2),
         ("hunyuan_video", {"tile_sample_frames": 8, "tile_sample_frame_stride": 4}, 29, 7, 2),
         ("minimax_h3", {"tiled": False}, 35, 3, 2),
     ],
 )
-def test_chunks_with_options(family, options, frames, count, cells):
+def test_chunks_with_options(key, options, frames, count, cells):
     """The options' schedules too (spatial tiles: one chunk, the whole clip)."""
-    for name in FAMILIES[family].SYNTHETIC:
+    for family, name in named(key):
         enc = encoder(family, name)
         x = clip(enc, frames, cells=cells)
         chunks, _ = recorded(enc, x, **options)
@@ -181,11 +191,11 @@ def test_ltx_stream_is_the_one_pass(name):
 
 
 # --- (b) window by window, (d) one chunk at a time ----------------------------------------
-@pytest.mark.parametrize("family,frames,count,unit,held", SCHEDULES)
-def test_windows_are_one_unit(family, frames, count, unit, held):
+@pytest.mark.parametrize("key,frames,count,unit,held", SCHEDULES)
+def test_windows_are_one_unit(key, frames, count, unit, held):
     """No window reads more than one unit's frames; every frame is read once (HunyuanVideo:
     its windows' overlap again); frames released as soon as no later unit needs them."""
-    for name in FAMILIES[family].SYNTHETIC:
+    for family, name in named(key):
         enc = encoder(family, name)
         _, rec = recorded(enc, clip(enc, frames))
         widths = [b - a for a, b in rec.windows()]
@@ -197,11 +207,11 @@ def test_windows_are_one_unit(family, frames, count, unit, held):
             assert sum(widths) <= frames  # nothing read twice
 
 
-@pytest.mark.parametrize("family,frames,count,unit,held", [s for s in SCHEDULES if s[2] >= 3])
-def test_first_chunk_before_last_frames(family, frames, count, unit, held):
+@pytest.mark.parametrize("key,frames,count,unit,held", [s for s in SCHEDULES if s[2] >= 3])
+def test_first_chunk_before_last_frames(key, frames, count, unit, held):
     """A long clip: the first chunk comes out before the last frames are read, each chunk
     right after its own unit's window."""
-    for name in FAMILIES[family].SYNTHETIC:
+    for family, name in named(key):
         enc = encoder(family, name)
         _, rec = recorded(enc, clip(enc, frames))
         kinds = [kind for kind, _, _ in rec.events]
@@ -222,11 +232,13 @@ def test_wan_tiles_read_the_clip_once():
 # --- (c) the LTX frame rule ---------------------------------------------------------------
 @pytest.mark.parametrize("name", list(ltx.SYNTHETIC))
 def test_ltx_frame_rule(name):
-    """Temporal scale 4 (space-to-depth downsamplers): 1 + 4k frames; others are refused
-    with the rule, before any frame is read; the other families take any count."""
+    """Temporal scale 4 or 8 (space-to-depth downsamplers): 1 + 4k or 1 + 8k frames; others
+    are refused with the rule, before any frame is read; the other families take any count."""
     enc = encoder("ltx", name)
+    k = enc.temporal_scale
     for frames in (2, 8, 24):
-        words = f"LTX encodes 1 \\+ 4k frames \\(1, 5, 9, ...\\): {frames} frames is not one"
+        rule = f"1 \\+ {k}k frames \\(1, {1 + k}, {1 + 2 * k}, ...\\)"
+        words = f"LTX encodes {rule}: {frames} frames is not one"
         assert enc.frames_problem(frames)
         with pytest.raises(ValueError, match=words):
             enc.moments(clip(enc, frames))
@@ -234,7 +246,7 @@ def test_ltx_frame_rule(name):
         with pytest.raises(ValueError, match="trim the clip to"):
             next(enc.iter_moments(rec))
         assert rec.events == []
-    assert "trim the clip to 21 frames" in enc.frames_problem(24)
+    assert f"trim the clip to {1 + 23 // k * k} frames" in enc.frames_problem(24)
     for frames in (1, 9, 17):
         assert enc.frames_problem(frames) == ""
         assert enc.moments(clip(enc, frames)).shape[2] == enc.latent_frames(frames)

@@ -15,7 +15,7 @@ import torch
 from diffusers import AutoencoderKL
 from safetensors.torch import save_file
 
-from app.store import StoreError, check_name, load_model, sha256_file
+from app.store import StoreError, check_name, list_models, load_model, sha256_file
 from tests import launch
 from tests.conftest import ROOT
 
@@ -225,3 +225,66 @@ def test_a_store_baked_by_root_loads_as_an_unprivileged_user():
         assert loaded == {"ltx-tiny": "ok", "minimax-h3-tiny": "ok"}, loaded
     finally:
         shutil.rmtree(holder)
+
+
+# --- an entry's encoder gives the latent its decoder takes ---------------------------------
+
+
+def _embedded_pairs():
+    from app.families import families
+
+    for described in families().values():
+        for name, recipe in described.synthetic.items():
+            if recipe.encoder_config is not None:
+                yield pytest.param(described, recipe, id=name)
+
+
+@pytest.mark.parametrize(("described", "recipe"), list(_embedded_pairs()))
+def test_every_embedded_encoder_s_latent_decodes_to_its_input_size(described, recipe):
+    """A clip (or image) encoded then decoded comes back at its own size: two latent frames
+    and cells of the encoder's own scales, random pixels, the seeded modules as baked."""
+    encoder = described.encoder.module(recipe.encoder_config).eval()
+    decoder = described.decoder.module(recipe.config).eval()
+    side = 2 * encoder.spatial_scale
+    frames = (1 + encoder.temporal_scale,) if encoder.is_video else ()
+    x = torch.rand(1, 3, *frames, side, side) * 2 - 1
+    with torch.no_grad():
+        z = encoder.encode(x)
+        assert z.shape[1] == decoder.latent_channels, (z.shape, decoder.summary())
+        y = decoder.decode(z)
+    assert tuple(y.shape[2:]) == tuple(x.shape[2:]), (tuple(z.shape), tuple(y.shape))
+
+
+def _mismatched(store: Path) -> None:
+    """ltx-tiny's decoder stored with ltx2-tiny's encoder (x16 in space and x4 in time, where
+    the decoder is x32 and x8)."""
+    from app.families import family
+    from app.store.write import write_model
+
+    ltx = family("ltx")
+    decoder, encoder = ltx.synthetic["ltx-tiny"], ltx.synthetic["ltx2-tiny"]
+    decoder_state = ltx.decoder.module(decoder.config).state_dict()
+    encoder_state = ltx.encoder.module(encoder.encoder_config).state_dict()
+    write_model(store, "pair", "ltx", decoder.config, decoder_state, "test", "float32",
+                encoder_state, encoder.encoder_config)  # fmt: skip
+
+
+def test_an_encoder_of_another_latent_is_refused_when_written_and_when_loaded(
+    tmp_path, monkeypatch
+):
+    with pytest.raises(StoreError, match=r"x16 in space, x4 in time\) is not the decoder's"):
+        _mismatched(tmp_path)
+    assert not list_models(tmp_path)  # nothing published
+    from app.store import write
+
+    with monkeypatch.context() as patch:  # what a writer before the check stored
+        patch.setattr(write, "check_pair", lambda *args: None)
+        _mismatched(tmp_path)
+    from app.config import Settings
+    from app.runtime import Runtime
+    from app.telemetry.metrics import Metrics
+
+    runtime = Runtime(Settings(models_dir=tmp_path, device="cpu", dtype="float32"), Metrics())
+    runtime.load_all()
+    assert "pair" in runtime.models and "pair" not in runtime.encoders  # the decoder serves
+    assert "is not the decoder's" in runtime.encoder_errors["pair"]

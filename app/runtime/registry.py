@@ -22,7 +22,7 @@ from app.config import Settings
 from app.runtime import device as devices
 from app.runtime import gate, modes, references, selection
 from app.runtime.parts import DECODER, ENCODER, ModelState, ServedPart
-from app.store import Manifest, StoreError, list_models, load_part, verify_part
+from app.store import Manifest, StoreError, check_pair, list_models, load_part, verify_part
 from app.telemetry import timing
 from app.telemetry.metrics import ENCODE_OUTPUTS, IMAGE_OUTPUTS, VIDEO_OUTPUTS, Metrics
 
@@ -100,7 +100,9 @@ class Registry:
             return
         state = ModelState()
         try:
-            self.encoders[name] = self._serve(self._map(store, name, ENCODER, state))
+            entry = self._map(store, name, ENCODER, state)
+            check_pair(name, self.models[name].reference, entry.reference)  # older stores
+            self.encoders[name] = self._serve(entry)
             state.enter("ready")
         except Exception as exc:  # the entry's decoder is still served
             self.encoder_errors[name] = str(exc)

@@ -101,6 +101,20 @@ def check_shapes(what: str, module: nn.Module, shapes: dict[str, tuple[int, ...]
             )
 
 
+def check_pair(what: str, decoder: nn.Module, encoder: nn.Module) -> None:
+    """Refuse an encoder whose latent is not the one its decoder takes (channels, pixels per
+    latent cell, frames per latent frame): its latents would decode to another size."""
+
+    def geometry(m: Any) -> str:
+        return f"{m.latent_channels} channels, x{m.spatial_scale} in space, x{m.temporal_scale} in time"
+
+    if geometry(encoder) != geometry(decoder):
+        raise StoreError(
+            f"{what}: the encoder's latent ({geometry(encoder)}) is not the decoder's "
+            f"({geometry(decoder)}): an encoder of another model"
+        )
+
+
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}
 
 

@@ -39,7 +39,7 @@ from app.store.files import (
     remove,
 )
 from app.store.manifest import Manifest, sha256_file
-from app.store.meta import check_shapes, meta_module, part_class
+from app.store.meta import check_pair, check_shapes, meta_module, part_class
 
 
 @contextlib.contextmanager
@@ -109,6 +109,7 @@ def write_model(
             build_encoder = lambda: build(encoder_config or config)  # noqa: E731
             module = meta_module(build_encoder, f"{name}: encoder", len(encoder_state))
             check_shapes(f"{name}: encoder", module, _shapes(encoder_state))
+            check_pair(name, decoder, module)
     dtype = dtype or _dominant_dtype(state)
     store.mkdir(parents=True, exist_ok=True)
     with entry_lock(store, name):
