@@ -204,6 +204,11 @@ def test_every_response_has_timing_and_request_id(flux_server):
     for r in (ok, bad, requests.get(f"{flux_server}/healthz")):
         assert "X-Request-Id" in r.headers and "total;dur=" in r.headers["Server-Timing"]
     assert ok.headers["X-Request-Id"] == "sampler-42"
+    # a sampler's own ids are kept; one that could split or escape a log line is replaced
+    kept = ["job:42/step-3", "{6f9619ff-8b86-d011-b42d-00cf4fc964ff}", "a+b/c==", "x" * 128]
+    for rid in kept + ["x" * 129, 'a"b', "a\\b", "a b", "\u00e9t\u00e9"]:
+        r = requests.get(f"{flux_server}/healthz", headers={"X-Request-Id": rid.encode()})
+        assert (r.headers["X-Request-Id"] == rid) == (rid in kept), (rid, r.headers)
     for phase in ("parse", "queue", "conv_in", "mid", "up_0", "up_1", "conv_out", "encode"):
         assert f"{phase};dur=" in ok.headers["Server-Timing"]
 

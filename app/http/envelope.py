@@ -16,7 +16,10 @@ from app.http.streams import StreamAborted
 from app.telemetry.logs import log_request
 
 log = logging.getLogger("app.service")
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # fullmatch: "$" lets a "\n" through
+# a caller's id is kept when it is 1-128 visible ASCII characters but the quote and the
+# backslash (UUIDs in braces, "job:42/step-3", base64, W3C trace ids): nothing a log line or a
+# header could be split or escaped by; fullmatch: "$" lets a "\n" through
+REQUEST_ID_RE = re.compile(r"[!#-\[\]-~]{1,128}")
 # Safe by default for an API that browsers should never render or frame (OWASP REST sheet).
 SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
