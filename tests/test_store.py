@@ -173,10 +173,31 @@ def test_bad_entries_are_named(tmp_path, checkpoints):
     for bad in ("../etc", "a/b", "", ".hidden"):
         with pytest.raises(StoreError):
             check_name(bad)
-    done = _app(
-        "import", "flux", str(tmp_path / "missing.safetensors"), "--name", "x", store=tmp_path
-    )
-    assert done.returncode != 0
+
+
+def test_an_import_of_what_the_family_does_not_read_is_one_error_line(
+    tmp_path, capsys, monkeypatch
+):
+    """No traceback for a path, a family or a file that is wrong: one line naming it."""
+    from app import cli
+
+    monkeypatch.setattr("app.telemetry.logs.configure_logging", lambda: None)
+    encoder = tmp_path / "taesd_encoder.pth"  # madebyollin's layout: its first conv takes RGB
+    torch.save({"0.weight": torch.zeros(64, 3, 3, 3), "0.bias": torch.zeros(64)}, encoder)
+    cases = {
+        ("taesd", tmp_path / "missing.pth"): "missing.pth: no such file or folder",
+        ("nosuch", encoder): "unknown family 'nosuch'; known: flux,",
+        ("taesd", encoder): "is not a taesd checkpoint that import reads: taesd: an encoder's",
+        ("flux", tmp_path): "is not a flux checkpoint that import reads: [Errno 2]",
+    }
+    for (key, source), words in cases.items():
+        argv = ["import", key, str(source), "--name", "x", "--models-dir", str(tmp_path)]
+        with pytest.raises(SystemExit) as done:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert done.value.code == 1 and err.startswith("error: ") and words in err, err
+        assert err.count("\n") == 1, err
+    assert not list_models(tmp_path)
 
 
 # The loader as the image's unprivileged user: Python and torch load as root (this machine's

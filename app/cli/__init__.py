@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
+from app.cli.errors import one_line  # noqa: E402 (no torch)
 from app.config import setting  # noqa: E402 (pydantic only, no torch)
 
 DEFAULT_STORE = str(setting("models_dir"))
@@ -164,24 +165,28 @@ def _config_errors(exc: ValidationError) -> str:
     return "; ".join(problems)
 
 
+@one_line
 def _bake(args: argparse.Namespace) -> int:
     from app.cli.store import bake
 
     return bake(args)
 
 
+@one_line
 def _import(args: argparse.Namespace) -> int:
     from app.cli.store import import_checkpoint
 
     return import_checkpoint(args)
 
 
+@one_line
 def _decode(args: argparse.Namespace) -> int:
     from app.cli.decode import run
 
     return run(args)
 
 
+@one_line
 def _encode(args: argparse.Namespace) -> int:
     from app.cli.encode import run
 

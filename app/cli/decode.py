@@ -16,14 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from app.cli.errors import CommandError
 from app.cli.local_decode import (
-    LocalDecodeError,
     check_latent_file,
     check_model,
     decode_file,
     output_for,
 )
-from app.config import setting
 
 SPINNER = "|/-\\"
 PARAM_NAMES = (
@@ -37,10 +36,6 @@ PARAM_NAMES = (
     "timestep",
     "seed",
 )
-
-
-class CommandError(Exception):
-    """A failure the command line reports as one line (no traceback)."""
 
 
 class Progress:
@@ -117,26 +112,6 @@ def _is_tty(stream: IO[str]) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    """0, or one ``error:`` line on stderr and a non-zero exit."""
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # noqa: BLE001 - the contract is one clear line, not a traceback
-        if setting("debug"):
-            raise
-        print(f"error: {_describe(exc)}", file=sys.stderr)
-        return 1
-
-
-def _describe(exc: Exception) -> str:
-    if isinstance(exc, CommandError | LocalDecodeError | ValueError | OSError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc} (VAE_DEBUG=1 shows the traceback)"
-
-
-def _run(args: argparse.Namespace) -> int:
     latent, out, store = Path(args.latent), Path(args.output), Path(args.models_dir)
     check_latent_file(latent)
     output_for(out)  # a suffix neither path can write: refused before anything else

@@ -13,30 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cli.decode import CommandError, Progress, format_timings
-from app.cli.local_decode import LocalDecodeError
+from app.cli.decode import Progress, format_timings
+from app.cli.errors import CommandError
 from app.cli.local_encode import OPTION_NAMES, check_input_file, check_latent_output, encode_file
-from app.config import setting
 
 
 def run(args: argparse.Namespace) -> int:
-    """0, or one ``error:`` line on stderr and a non-zero exit (decode's contract)."""
-    try:
-        return _run(args)
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:  # noqa: BLE001 - the contract is one clear line, not a traceback
-        if setting("debug"):
-            raise
-        known = isinstance(exc, CommandError | LocalDecodeError | ValueError | OSError)
-        hint = "" if known else f"{type(exc).__name__}: "
-        tail = "" if known else " (VAE_DEBUG=1 shows the traceback)"
-        print(f"error: {hint}{exc}{tail}", file=sys.stderr)
-        return 1
-
-
-def _run(args: argparse.Namespace) -> int:
     source, out, store = Path(args.input), Path(args.output), Path(args.models_dir)
     check_input_file(source)
     check_latent_output(out)

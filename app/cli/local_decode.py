@@ -18,6 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
+from app.cli.errors import CommandError
+
 LATENT_CONTENT_TYPES = {".npy": "application/x-npy", ".safetensors": "application/x-safetensors"}
 # output file suffix -> the query params that ask the service for it
 OUTPUT_PARAMS: dict[str, dict[str, str]] = {
@@ -32,7 +34,7 @@ OUTPUT_PARAMS: dict[str, dict[str, str]] = {
 FrameProgress = Callable[[int, int], None]  # (frames decoded so far, frames in all)
 
 
-class LocalDecodeError(Exception):
+class LocalDecodeError(CommandError):
     """A decode refused in one line: the service's own 4xx words, a model not in the store."""
 
 

@@ -64,12 +64,21 @@ def _complete(store: Path, name: str) -> bool:
 def import_checkpoint(args: argparse.Namespace) -> int:
     """Convert a checkpoint once into the store: its decoder, and its encoder where the family
     has one and the checkpoint holds it."""
+    from app.cli.errors import CommandError, describe
     from app.families import family
     from app.runtime.references import store_references
     from app.store import StoreError, write_model
 
+    if not args.source.exists():
+        raise CommandError(f"{args.source}: no such file or folder")
     described = family(args.family)
-    config, state = described.decoder.convert(args.source)
+    try:
+        config, state = described.decoder.convert(args.source)
+    except (ValueError, KeyError, OSError) as exc:  # not what this family's converter reads
+        raise CommandError(
+            f"{args.source} is not a {args.family} checkpoint that import reads: "
+            f"{describe(exc)} (README, \"Command line\", lists what each family imports)"
+        ) from exc
     encoder_config, encoder_state = _convert_encoder(described.encoder, args.source)
     try:
         manifest = write_model(

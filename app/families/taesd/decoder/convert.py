@@ -83,6 +83,12 @@ def _canonicalize(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     if all(_CANONICAL.match(k) for k in sd):
         return dict(sd)
     groups = _group(_to_flat(sd))
+    first = next(iter(groups.values()), {}).get("weight")
+    if first is not None and first.ndim == 4 and first.shape[1] == 3:  # a conv taking RGB
+        raise ValueError(
+            "taesd: an encoder's weights (its first conv takes RGB); import the decoder's "
+            "file (*_decoder.pth) or the folder holding both"
+        )
     prefixes = _canonical_prefixes(groups)
     return {f"{prefixes[i]}.{rest}": v for i, entry in groups.items() for rest, v in entry.items()}
 
