@@ -1,6 +1,6 @@
 """The package's import layout (docs/families.md): no import circle anywhere under ``app/``;
-every family's ``decoder/model.py`` imports nothing of the service but ``app.families.ops``, its
-``encoder/model.py`` nothing but the shared layers (``ops``, ``attention``), the encoder base
+every family's ``decoder/model.py`` imports nothing of the service but the shared layers (``ops``,
+``attention``), its ``encoder/model.py`` nothing but those, the encoder base
 (``app.families.encoder``) and its own family's ``decoder/model.py``; every family package
 exports its ``FAMILY`` descriptor, keyed by its package name.
 
@@ -114,15 +114,18 @@ def _package_dirs() -> list[tuple[str, Path]]:
     return [(package, APP / "families" / package) for package in PACKAGES]
 
 
-def test_family_models_import_only_ops() -> None:
+SHARED_LAYERS = {"app.families.ops", "app.families.attention"}
+
+
+def test_family_models_import_only_shared_layers() -> None:
     for _, folder in _package_dirs():
         path = folder / "decoder" / "model.py"
-        imports = module_level_imports(path) - {"app.families.ops"}
+        imports = module_level_imports(path) - SHARED_LAYERS
         assert not imports, f"{path}: imports {sorted(imports)}"
 
 
 def test_encoder_models_import_only_shared_layers_and_their_decoder_model() -> None:
-    shared = {"app.families.ops", "app.families.attention", "app.families.encoder"}
+    shared = SHARED_LAYERS | {"app.families.encoder"}
     for package, folder in _package_dirs():
         path = folder / "encoder" / "model.py"
         if not path.exists():

@@ -374,3 +374,16 @@ def test_cache_carry_is_a_copy_lowering_the_peak_not_the_output(monkeypatch):
         out_viewed = tiny.decode(zt)
     assert copied < 0.75 * viewed, (copied / 2**20, viewed / 2**20)
     assert torch.equal(out_copied, out_viewed)
+
+
+def test_the_mid_attention_never_holds_a_score_matrix():
+    """A frame's self-attention in memory linear in its pixels: at 96 x 96 latent pixels an
+    L x L float32 score matrix is 324 MiB (a 2048^2 image's: 16 GiB, what killed a server)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    block = wan.model.AttentionBlock(4).eval()
+    x = torch.randn(1, 4, 1, 96, 96)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        block(x)
+    largest = max(op.self_cpu_memory_usage for op in prof.key_averages())
+    assert largest < 16 << 20, f"an op allocated {largest >> 20} MiB"

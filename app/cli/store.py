@@ -77,7 +77,7 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, OSError) as exc:  # not what this family's converter reads
         raise CommandError(
             f"{args.source} is not a {args.family} checkpoint that import reads: "
-            f"{describe(exc)} (README, \"Command line\", lists what each family imports)"
+            f'{describe(exc)} (README, "Command line", lists what each family imports)'
         ) from exc
     encoder_config, encoder_state = _convert_encoder(described.encoder, args.source)
     try:

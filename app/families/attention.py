@@ -1,4 +1,4 @@
-"""Softmax attention in memory linear in the sequence length, for the encoders' mid blocks.
+"""Softmax attention in memory linear in the sequence length, for the mid blocks.
 
 A VAE mid block attends over every latent pixel: at a 2048^2 input that is 65536 tokens, and
 an L x L score matrix of 16 GiB in float32. ``attend`` never builds one. PyTorch's fused

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from app.families.attention import attend
 from app.families.ops import conv3d
 
 
@@ -119,7 +120,7 @@ class AttentionBlock(nn.Module):
         frames = x.transpose(1, 2).reshape(b * t, c, h, w)
         qkv = self.to_qkv(self.norm(frames)).reshape(b * t, 1, c * 3, h * w).transpose(2, 3)
         q, k, v = qkv.chunk(3, dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v)  # [bt, 1, hw, c]
+        out = attend(q, k, v)  # [bt, 1, hw, c]; the chunks' last dim is strided: not fused
         out = self.proj(out.squeeze(1).transpose(1, 2).reshape(b * t, c, h, w))
         return x + out.view(b, t, c, h, w).transpose(1, 2)
 
