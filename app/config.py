@@ -106,7 +106,9 @@ class Settings(BaseSettings):
     drain_grace_s: float = Field(
         10.0, ge=0, description="SIGTERM: the process has exited this long after the signal"
     )
-    stream_stall_s: float = Field(60.0, gt=0, description="a stream reader this slow is dropped")
+    stream_stall_s: float = Field(
+        60.0, gt=0, description="a reader that takes nothing of its answer this long is dropped"
+    )
     stream_buffer_mb: int = Field(
         256, ge=1, description="decoded frames buffered per streamed video answer"
     )

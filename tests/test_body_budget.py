@@ -331,6 +331,63 @@ def test_an_answer_is_held_until_it_is_sent(tmp_path):
     assert refused.status_code == 429 and "do not fit now" in refused.json()["error"]
 
 
+@pytest.mark.parametrize("size", [256, 90], ids=["48 MiB chunked", "6 MiB whole"])
+def test_an_answer_its_client_never_reads_is_dropped_after_the_stall_limit(tmp_path, size, caplog):
+    """A client that stays connected and reads nothing of its answer (whole or chunked) is
+    dropped once it has acknowledged nothing for ``VAE_STREAM_STALL_S``: one warning says why,
+    the answer's room in the budget is free again, and the client gets a reset, not the rest
+    of its answer (nothing of it stays buffered in the server for a reader that never reads)."""
+    from tests.helpers import post
+    from tests.live import live_server
+
+    stall, rid = 2.0, f"never-reads-{size}"
+    faulty.bake(tmp_path, "faulty")
+    z = faulty.latent(tag=45, size=size)  # a float32 answer of (8 * size)^2 RGB pixels
+    body = z.numpy().tobytes()
+    head = (
+        f"POST /decode/faulty?shape=[1,4,{size},{size}]&dtype=float32&output_type=pt HTTP/1.1"
+        f"\r\nHost: x\r\nContent-Type: tensor/binary\r\nX-Request-Id: {rid}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    settings = dict(models="faulty", device="cpu", dtype="float32", stream_stall_s=stall)
+    with live_server(tmp_path, bodies_mb=64, **settings) as url:
+        reader = socket.socket()
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before the connect
+        reader.connect((urlsplit(url).hostname, urlsplit(url).port))
+        reader.sendall(head.encode() + body)
+        reader.recv(1, socket.MSG_PEEK)  # its answer is being sent; the client reads no more
+        t0 = time.monotonic()
+        if size == 256:  # its 48 MiB hold the budget: another one does not fit now
+            assert post(url, faulty.latent(tag=46, size=size)).status_code == 429
+
+        def warned() -> list[str]:
+            lines = [r.getMessage() for r in caplog.records if rid in r.getMessage()]
+            return [line for line in lines if "aborted" in line]
+
+        faulty.wait_for("the reader dropped", warned, stall + 15)
+        waited = time.monotonic() - t0
+        if size == 256:
+            faulty.wait_for("the answer's room free", lambda: post(url, z).status_code == 200, 30)
+        got = _read_until_closed(reader)
+    assert stall - 0.5 < waited < stall + 15, waited
+    assert "read nothing for 2 s" in warned()[0], warned()
+    answer = 3 * (8 * size) ** 2 * 4
+    assert got < answer // 2, f"{got} of the answer's {answer} bytes still came"
+
+
+def _read_until_closed(sock: socket.socket) -> int:
+    """Bytes read until the connection ends (a reset counts as its end)."""
+    sock.settimeout(10)
+    got = 0
+    try:
+        while data := sock.recv(1 << 20):
+            got += len(data)
+    except ConnectionResetError:
+        pass
+    sock.close()
+    return got
+
+
 def test_a_chunked_body_takes_the_budget_as_it_grows():
     from app.http.handling import BodyLease
 

@@ -5,6 +5,7 @@ GPU behaviour is exercised with the real code under a fake device-memory budget 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -321,11 +322,13 @@ def test_a_stalled_mp4_reader_costs_only_its_own_stream(store):
             # between the stream's chunks); still stalled, the stream is dropped once its
             # buffer is full for VAE_STREAM_WAIT_S, and its ffmpeg reaped
             faulty.wait_for("the stalled stream dropped", lambda: not ffmpeg_children(), 120)
-            # the dropped stream ends without its final chunk: the truncation is visible
+            # the dropped stream ends without its final chunk, or with a reset (a reader that
+            # read nothing for the stall limit): the truncation is visible
             sock.settimeout(30)
             received = b""
-            while chunk := sock.recv(1 << 16):
-                received += chunk
+            with contextlib.suppress(ConnectionResetError):
+                while chunk := sock.recv(1 << 16):
+                    received += chunk
             assert not received.endswith(b"0\r\n\r\n")
         finally:
             sock.close()

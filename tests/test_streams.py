@@ -349,7 +349,7 @@ def test_a_stream_closed_midway_never_ends_its_body_cleanly():
     job = Job(part=None, request=None, timer=PhaseTimer(), channel=channel)
     frames = torch.randint(0, 255, (48, 64, 64, 3), dtype=torch.uint8)
     channel.put(frames)  # the decode goes on: the channel is never closed
-    response = JobStream(Mp4Stream(job, 24.0), stall_s=10)
+    response = JobStream(Mp4Stream(job, 24.0))
 
     async def read() -> tuple[int, BaseException | None]:
         body = response.body_iterator.__aiter__()

@@ -81,11 +81,9 @@ async def _decode(
         raise runtime_error(exc, model.name) from None
     if mp4 or frames:
         await outcome(request, job, channel.first)  # errors before the first frame: JSON
-        stall_s = settings.stream_stall_s
         if frames:
-            return tensor_stream(job, decode, model.geometry, layout, model.name, stall_s)
-        count = video_frames(decode, model.geometry)
-        return mp4_response(job, decode.fps, model.name, stall_s, count)
+            return tensor_stream(job, decode, model.geometry, layout, model.name)
+        return mp4_response(job, decode.fps, model.name, video_frames(decode, model.geometry))
     decoded = await outcome(request, job, job.future)
     response = await asyncio.to_thread(encoded, decoded, decode, timer)
     response.headers["x-model"] = model.name

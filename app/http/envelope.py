@@ -12,7 +12,7 @@ from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.http.errors import error_response
-from app.http.streams import StreamAborted
+from app.http.streams import ReaderProgress, StreamAborted, send_body
 from app.telemetry.logs import log_request
 
 log = logging.getLogger("app.service")
@@ -49,6 +49,10 @@ class Envelope:
         state = scope.setdefault("state", {})
         state["request_id"], state["started"] = rid, started
         sent, status, size = False, 500, 0
+        # every answer's body: a reader that takes nothing for the stall limit is dropped, so
+        # it cannot hold its answer, and the body budget that answer holds, for ever
+        stall_s = _stall_s(scope)
+        reader = ReaderProgress(scope)  # a stream's own (its send buffer set) in the state
 
         async def send_with_headers(message: Message) -> None:
             nonlocal sent, status, size
@@ -57,11 +61,14 @@ class Envelope:
                 _decorate(MutableHeaders(scope=message), rid, started)
             elif message["type"] == "http.response.body":
                 size += len(message.get("body", b""))
+                if stall_s:
+                    return await send_body(send, message, state.get("reader", reader), stall_s)
             await send(message)
 
         try:
             await self._answer(scope, receive, send_with_headers, rid, lambda: sent)
         finally:
+            reader.close()
             lease = state.get("body_lease")  # what the request held: its answer is out now
             if lease is not None:
                 lease.release()
@@ -85,14 +92,22 @@ class Envelope:
             )(scope, receive, send_with_headers)
         try:
             await self.app(scope, receive, send_with_headers)
-        except StreamAborted:
-            raise  # an aborted stream: logged as one warning line where it ended
+        except StreamAborted as exc:
+            if not exc.logged:  # a stream logs its own, with its kind and model
+                log.warning("answer aborted: request %s: %s", rid, exc)
+            raise  # the server closes the connection: the client sees the truncation
         except Exception:
             log.exception("unhandled error in request %s", rid)
             if sent():
                 raise
             body = {"error": "internal server error", "request_id": rid}
             await error_response(500, body)(scope, receive, send_with_headers)
+
+
+def _stall_s(scope: Scope) -> float | None:
+    """``VAE_STREAM_STALL_S`` of the app served (None outside one: no limit)."""
+    settings = getattr(getattr(scope.get("app"), "state", None), "settings", None)
+    return getattr(settings, "stream_stall_s", None)
 
 
 def _log(scope: Scope, rid: str, status: int, size: int, seconds: float) -> None:

@@ -19,7 +19,6 @@ from app.http.streams import (
     StreamAborted,
     abort_warning,
     quiet_aborts,
-    send_or_stall,
 )
 from app.runtime import Job
 
@@ -30,13 +29,14 @@ class JobStream(StreamingResponse):
     """A streamed job's response (no Content-Length: chunked). However it ends (done, client
     gone, error) the worker is told to stop, what its body holds is freed (an MP4's ffmpeg is
     reaped: ``ChannelStream.close``) and ``on_close`` gets the bytes sent. A client that
-    acknowledges nothing for ``stall_s`` is dropped, and so is a stream the worker gave up:
+    acknowledges nothing for ``VAE_STREAM_STALL_S`` is dropped (``Envelope``, as for every
+    answer; a stream's socket has a small send buffer), and so is a stream the worker gave up:
     the response is then aborted (no terminating chunk), so the client sees the truncation,
     and one warning line says why."""
 
-    def __init__(self, stream: ChannelStream, stall_s: float, **kwargs: Any) -> None:
+    def __init__(self, stream: ChannelStream, **kwargs: Any) -> None:
         super().__init__(stream.body(), **kwargs)
-        self.stream, self.job, self.sent, self.stall_s = stream, stream.job, 0, stall_s
+        self.stream, self.job, self.sent = stream, stream.job, 0
         self.on_close: Callable[[int], None] | None = None
         self.body_iterator = self._counted(self.body_iterator)
 
@@ -51,6 +51,7 @@ class JobStream(StreamingResponse):
         settings = scope["app"].state.settings
         self.stream.threads = settings.encoder_threads
         progress = ReaderProgress(scope, settings.stream_socket_kb << 10)
+        scope["state"]["reader"] = progress  # what Envelope's stall limit on every send reads
         quiet_aborts()
         # a shutdown whose grace ran out cuts the stream: its ffmpeg must not outlive us
         cut = asyncio.ensure_future(scope["app"].state.drain.expired.wait())
@@ -64,13 +65,11 @@ class JobStream(StreamingResponse):
                 self.stream.close()
             return message
 
-        async def send_or_drop(message: Message) -> None:
-            await send_or_stall(send(message), progress, self.stall_s)
-
         try:
-            await super().__call__(scope, watched, send_or_drop)
+            await super().__call__(scope, watched, send)
         except StreamAborted as exc:
             abort_warning(scope, self.job.part.name, str(exc), self.stream.kind)
+            exc.logged = True
             raise
         finally:
             cut.cancel()
@@ -80,12 +79,10 @@ class JobStream(StreamingResponse):
                 self.on_close(self.sent)
 
 
-def mp4_response(
-    job: Job, fps: float, model: str, stall_s: float, frames: int | None = None
-) -> JobStream:
+def mp4_response(job: Job, fps: float, model: str, frames: int | None = None) -> JobStream:
     """Frames go into ffmpeg as the worker decodes them; MP4 bytes go out as ffmpeg writes.
     ``frames``: the video's frame count, announced in the head (``x-frames``)."""
     headers = {"x-model": model, "x-output": "mp4"}
     if frames is not None:
         headers["x-frames"] = str(frames)
-    return JobStream(Mp4Stream(job, fps), stall_s, media_type="video/mp4", headers=headers)
+    return JobStream(Mp4Stream(job, fps), media_type="video/mp4", headers=headers)

@@ -101,7 +101,6 @@ def tensor_stream(
     geometry: ModelGeometry,
     layout: str,
     model: str,
-    stall_s: float,
 ) -> JobStream:
     """A video's frames as raw tensor bytes, each sent as it decodes. The head, sent with the
     first frame, says what the whole body holds: ``shape`` and ``dtype`` (what remote_decode
@@ -122,7 +121,7 @@ def tensor_stream(
     headers["shape"] = json.dumps(shape)
     headers["dtype"] = write.WIRE_NAME[request.out_dtype]
     stream = TensorStream(job, layout, frame_shape, request.out_dtype, rows, frames)
-    return JobStream(stream, stall_s, media_type=TENSOR_MIME, headers=headers)
+    return JobStream(stream, media_type=TENSOR_MIME, headers=headers)
 
 
 __all__ = [

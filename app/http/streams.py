@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Generator, Iterator
 from typing import Any
 
 import torch
+from starlette.types import Message, Send
 from torch import Tensor
 
 from app.media import write
@@ -41,11 +42,14 @@ log = logging.getLogger("app.http.streams")
 
 TCP_INFO_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in Linux's struct tcp_info
 POLL_S = 1.0  # how often a waiting send looks at the reader's progress (at most)
+PIECE_BYTES = 1 << 20  # an answer's body goes out in pieces of this many bytes at most
 
 
 class StreamAborted(Exception):
-    """A streamed response given up midway: raised through the server, which then closes the
+    """A response given up midway: raised through the server, which then closes the
     connection without ending the body, so the client sees the truncation."""
+
+    logged = False  # its warning line written where it was given up
 
 
 class ChannelStream:
@@ -241,16 +245,24 @@ def raw_bytes(tensor: Tensor) -> bytes:
 
 class ReaderProgress:
     """The bytes of a connection its peer has acknowledged, where the server can see them
-    (Linux ``TCP_INFO``); ``None`` elsewhere, and then only a finished send is progress."""
+    (Linux ``TCP_INFO``); ``None`` elsewhere, and then only a finished send is progress. The
+    connection's socket is looked up when first needed (a walk of the process's descriptors),
+    or at once to give it ``send_buffer`` bytes of kernel send buffer (a stream's)."""
 
-    def __init__(self, scope: dict[str, Any], send_buffer: int) -> None:
-        self._sock = _connection_socket(scope)
-        if self._sock is not None:
+    def __init__(self, scope: dict[str, Any], send_buffer: int | None = None) -> None:
+        self._scope: dict[str, Any] | None = scope
+        self._sock: socket.socket | None = None
+        if send_buffer is not None and (sock := self._socket()) is not None:
             with contextlib.suppress(OSError):
-                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+
+    def _socket(self) -> socket.socket | None:
+        if self._scope is not None:
+            self._sock, self._scope = _connection_socket(self._scope), None
+        return self._sock
 
     def acked(self) -> int | None:
-        if self._sock is None:
+        if self._socket() is None:
             return None
         try:
             info = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
@@ -260,7 +272,17 @@ class ReaderProgress:
             return None
         return struct.unpack_from("Q", info, TCP_INFO_BYTES_ACKED)[0]
 
+    def drop(self) -> None:
+        """End the connection now, unsent bytes and all (a reset, not a close that would wait
+        for a reader that reads nothing to take what the server still buffers)."""
+        if (sock := self._socket()) is None:
+            return
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
+        self._scope = None
         if self._sock is not None:
             self._sock.close()  # our duplicate only: the server's descriptor stays open
             self._sock = None
@@ -268,10 +290,14 @@ class ReaderProgress:
 
 async def send_or_stall(send: Awaitable[None], progress: ReaderProgress, stall_s: float) -> None:
     """Await ``send``; raise ``StreamAborted`` if meanwhile the reader acknowledges nothing
-    for ``stall_s``."""
+    for ``stall_s``. A send done within a poll (most are) never looks at the reader."""
     task = asyncio.ensure_future(send)
-    last, deadline = progress.acked(), time.monotonic() + stall_s
+    deadline = time.monotonic() + stall_s
     try:
+        done, _ = await asyncio.wait({task}, timeout=min(POLL_S, stall_s))
+        if done:
+            return task.result()
+        last = progress.acked()
         while True:
             remaining = deadline - time.monotonic()
             done, _ = await asyncio.wait({task}, timeout=max(0.0, min(POLL_S, remaining)))
@@ -285,6 +311,25 @@ async def send_or_stall(send: Awaitable[None], progress: ReaderProgress, stall_s
     finally:
         if not task.done():
             task.cancel()
+
+
+async def send_body(send: Send, message: Message, progress: ReaderProgress, stall_s: float) -> None:
+    """One ``http.response.body`` message sent in pieces of at most ``PIECE_BYTES``, each under
+    ``send_or_stall``: the server writes a whole message at once, so only between pieces can a
+    reader that takes nothing be seen (and its answer's bytes stop in the server's buffer).
+    A reader dropped so is reset at once: nothing of its answer stays buffered for it."""
+    body, more = message.get("body", b""), message.get("more_body", False)
+    view = memoryview(body)
+    starts = range(0, len(view), PIECE_BYTES) if len(view) > PIECE_BYTES else [0]
+    try:
+        for at in starts:
+            last = at + PIECE_BYTES >= len(view)
+            piece = body if len(starts) == 1 else bytes(view[at : at + PIECE_BYTES])
+            message = {"type": "http.response.body", "body": piece, "more_body": more or not last}
+            await send_or_stall(send(message), progress, stall_s)
+    except StreamAborted:
+        progress.drop()
+        raise
 
 
 def _connection_socket(scope: dict[str, Any]) -> socket.socket | None:
