@@ -470,3 +470,27 @@ def test_openapi_documents_the_binary_body(flux_server):
     body = spec["paths"]["/decode/{model}"]["post"]["requestBody"]["content"]
     assert {"tensor/binary", "application/x-safetensors", "application/x-npy"} <= set(body)
     assert json.dumps(spec)  # serialisable
+
+
+def test_bodies_are_parsed_on_the_intake_pool_never_on_the_event_loop(flux_server, monkeypatch):
+    """A large body's parse and checks take seconds: on the event loop they would stop every
+    other request (a 256 MiB column-order .npy stopped /healthz for 10 s). Where each runs."""
+    import threading
+
+    import app.protocol
+
+    where: list[str] = []
+
+    def recorded(parse):
+        def run(*args, **kwargs):
+            where.append(threading.current_thread().name)
+            return parse(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(app.protocol, "parse_body", recorded(app.protocol.parse_body))
+    monkeypatch.setattr(app.protocol, "check_scaling", recorded(app.protocol.check_scaling))
+    z = latent(1, 16, 4, 4)
+    r = _post(f"{flux_server}/decode/flux-tiny", z.numpy().tobytes(), {"shape": [1, 16, 4, 4]})
+    assert r.status_code == 200, r.text
+    assert len(where) == 2 and all(name.startswith("intake") for name in where), where

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from app.protocol import intake
 from app.protocol.bodies import check_content_encoding, media_type, parse_body
 from app.protocol.errors import ProtocolError, echo
 from app.protocol.output import IMAGE_MIME, choose_output, parse_accept
@@ -107,16 +108,12 @@ async def validate(
     body = read_body(limits.max_body_bytes)
     if inspect.isawaitable(body):
         body = await body
-    wire = parse_body(head.content_type, body, params)
-    if on_shape is not None:
-        on_shape(list(wire.shape))
-    latent = to_layout(wire, params, model)
-    check_limits(latent, model, limits, output)
-    check_scaling(latent, params)
-    _check_output_holds(latent, model, output)
+    wire, latent = await intake.parsed(
+        _checked_latent, head.content_type, body, params, model, limits, output, on_shape
+    )
     frame = _preview_frame(latent, params, output)
     return DecodeRequest(
-        latent.float(),
+        latent,
         output,
         Scaling(params.scaling_factor, params.shift_factor, params.do_scaling),
         params.options(),
@@ -129,6 +126,27 @@ async def validate(
         tuple(wire.shape),
         frame=frame,
     )
+
+
+def _checked_latent(
+    content_type: str | None,
+    body: bytes,
+    params: DecodeParams,
+    model: ModelGeometry,
+    limits: Limits,
+    output: Output,
+    on_shape: Callable[[list[int]], None] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor as sent, the float32 latent in the decoder's layout) of a body, every check
+    that reads its values done: on the intake pool."""
+    wire = parse_body(content_type, body, params)
+    if on_shape is not None:
+        on_shape(list(wire.shape))
+    latent = to_layout(wire, params, model)
+    check_limits(latent, model, limits, output)
+    check_scaling(latent, params)
+    _check_output_holds(latent, model, output)
+    return wire, latent.float()
 
 
 def _check_output_holds(latent: torch.Tensor, model: ModelGeometry, output: Output) -> None:

@@ -7,6 +7,7 @@ sized by the request.
 from __future__ import annotations
 
 import io
+import json
 import math
 
 import numpy as np
@@ -19,6 +20,7 @@ from app.protocol.params import MAX_DIM, WIRE_DTYPES, DecodeParams
 RAW_TYPES = {"tensor/binary", "application/octet-stream"}
 SAFETENSORS_TYPE = "application/x-safetensors"
 NPY_TYPE = "application/x-npy"
+NPY_HEADER_MOST = 1 << 16  # numpy's own parser refuses headers past 10,000 bytes
 IDENTITY_ENCODINGS = {"", "identity"}
 
 
@@ -74,22 +76,60 @@ def _parse_raw(body: bytes, params: DecodeParams) -> Tensor:
     return torch.frombuffer(buffer, dtype=dtype).reshape(params.shape)
 
 
-def _parse_safetensors(body: bytes) -> Tensor:
-    from safetensors import SafetensorError
-    from safetensors.torch import load
+# safetensors' names of the wire dtypes; a one-tensor header is a few hundred bytes
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+MAX_SAFETENSORS_HEADER = 1 << 20
 
+
+def _parse_safetensors(body: bytes) -> Tensor:
+    """One tensor, read in place: its header entry checked against the data first. By hand,
+    as the format is a length, a JSON header and the data: safetensors' own loader takes
+    ``bytes`` only, a second copy of the whole body that the body budget does not count."""
+    view = memoryview(body)
+    size = int.from_bytes(view[:8], "little") if len(view) >= 8 else -1
+    if not 0 < size <= min(MAX_SAFETENSORS_HEADER, len(view) - 8):
+        raise ProtocolError(400, _NOT_SAFETENSORS + f": a header of {size} bytes", ONE_TENSOR)
     try:
-        tensors = load(bytes(body))  # safetensors takes bytes only
-    except (SafetensorError, ValueError, RuntimeError, OverflowError) as exc:
-        raise ProtocolError(400, f"body is not a valid safetensors file: {plain(exc)}") from None
-    if len(tensors) != 1:
-        raise ProtocolError(400, f"safetensors body holds {len(tensors)} tensors", "exactly one")
-    tensor = next(iter(tensors.values()))
-    if tensor.dtype not in {d for d, _ in WIRE_DTYPES.values()}:
+        header = json.loads(bytes(view[8 : 8 + size]))
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(400, f"{_NOT_SAFETENSORS}: {plain(exc)}", ONE_TENSOR) from None
+    if not isinstance(header, dict):
+        raise ProtocolError(400, _NOT_SAFETENSORS + ": its header is not an object", ONE_TENSOR)
+    header.pop("__metadata__", None)
+    if len(header) != 1:
+        raise ProtocolError(400, f"safetensors body holds {len(header)} tensors", "exactly one")
+    entry = next(iter(header.values()))
+    entry = entry if isinstance(entry, dict) else {}
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not _ints(shape, MAX_DIM) or not _ints(offsets, len(view)) or len(offsets) != 2:
+        raise ProtocolError(400, f"{_NOT_SAFETENSORS}: its entry {echo(entry)}", ONE_TENSOR)
+    dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+    if dtype is None:
         raise ProtocolError(
-            422, f"tensor dtype {tensor.dtype} is not supported", "float32|float16|bfloat16"
+            422, f"tensor dtype {echo(entry.get('dtype'))} is not supported", "F32|F16|BF16"
         )
-    return tensor
+    count, data = math.prod(shape), len(view) - 8 - size
+    if offsets != [0, count * dtype.itemsize] or offsets[1] != data:
+        raise ProtocolError(
+            400,
+            f"{_NOT_SAFETENSORS}: data offsets {echo(offsets)} for shape {echo(shape)} of "
+            f"{entry['dtype']}, {data} data bytes",
+            ONE_TENSOR,
+        )
+    if not count:
+        return torch.empty(shape, dtype=dtype)
+    # a bytearray body (how the service reads one) is used in place: no second copy
+    buffer = body if isinstance(body, bytearray) else bytearray(body)
+    return torch.frombuffer(buffer, dtype=dtype, count=count, offset=8 + size).reshape(shape)
+
+
+_NOT_SAFETENSORS = "body is not a valid safetensors file"
+ONE_TENSOR = "a safetensors file of one tensor (F32, F16 or BF16)"
+
+
+def _ints(values: object, most: int) -> bool:
+    """Whether ``values`` is a list of integers, each 0..``most``."""
+    return isinstance(values, list) and all(type(v) is int and 0 <= v <= most for v in values)
 
 
 def _parse_npy(body: bytes) -> Tensor:
@@ -98,7 +138,7 @@ def _parse_npy(body: bytes) -> Tensor:
     ``np.load`` on a file-like object allocates the header's shape first, so a 100-byte body
     declaring a terabyte array would be honoured: the header is parsed here instead.
     """
-    stream = io.BytesIO(body)
+    stream = io.BytesIO(bytes(memoryview(body)[:NPY_HEADER_MOST]))  # not a copy of the data
     try:
         version = np.lib.format.read_magic(stream)
         read_header = {
@@ -128,6 +168,13 @@ def _parse_npy(body: bytes) -> Tensor:
         )
     if count == 0:
         raise ProtocolError(422, f".npy latent {list(shape)} is empty", "every dim >= 1")
+    if not fortran_order and dtype.isnative:  # used in place, as a raw body: no copy
+        buffer = body if isinstance(body, bytearray) else bytearray(body)
+        data = torch.frombuffer(buffer, dtype=_TORCH_FLOATS[dtype.itemsize], offset=stream.tell())
+        return data.reshape(shape)
     array = np.frombuffer(body, dtype=dtype, count=count, offset=stream.tell())
     array = array.reshape(shape, order="F" if fortran_order else "C")
     return torch.from_numpy(array.astype(dtype.newbyteorder("="), order="C", copy=True))
+
+
+_TORCH_FLOATS = {2: torch.float16, 4: torch.float32}

@@ -11,7 +11,6 @@ is decoded.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import io
@@ -27,7 +26,7 @@ from torch import Tensor
 
 from app.families.encoder import VAEEncoder
 from app.media import read as media_read
-from app.protocol import BodyReader
+from app.protocol import BodyReader, intake
 from app.protocol.bodies import (
     NPY_TYPE,
     RAW_TYPES,
@@ -113,6 +112,13 @@ def parse_encode_head(
     )
 
 
+def _finite_float(tensor: torch.Tensor) -> torch.Tensor:
+    pixels = tensor.float()
+    if not bool(torch.isfinite(pixels).all()):
+        raise ProtocolError(422, "the pixels hold NaN or infinity", "RGB in [-1, 1]")
+    return pixels
+
+
 async def validate_encode(
     head: EncodeHead,
     geo: EncoderGeometry,
@@ -138,16 +144,14 @@ async def validate_encode(
         kind = _sniff(body)
     if kind in ("png", "jpeg", "webp"):
         multiple = geo.spatial_scale * (2 if head.packed else 1)
-        pixels = await asyncio.to_thread(read_image, body, kind, multiple, geo, limits)
+        pixels = await intake.parsed(read_image, body, kind, multiple, geo, limits)
     elif kind == "mp4":
-        pixels = await asyncio.to_thread(read_mp4, body, geo, limits)
+        pixels = await intake.parsed(read_mp4, body, geo, limits)
     else:
         content_type = head.content_type if kind != "raw" else "tensor/binary"
-        tensor = parse_body(content_type, body, head.params)
+        tensor = await intake.parsed(parse_body, content_type, body, head.params)
         _check_pixels(tuple(tensor.shape), _wire_name(tensor.dtype), geo, limits, head.packed)
-        pixels = tensor.float()
-        if not bool(torch.isfinite(pixels).all()):
-            raise ProtocolError(422, "the pixels hold NaN or infinity", "RGB in [-1, 1]")
+        pixels = await intake.parsed(_finite_float, tensor)
     params = head.params
     return EncodeRequest(
         pixels,
