@@ -6,10 +6,18 @@ bf16 order) reads one field with ``setting``, still as declared here."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, TypeAdapter, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    SecretStr,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 if TYPE_CHECKING:  # imported where used: the command line reads settings without torch
@@ -27,6 +35,16 @@ HELD_MB_WHY = (
 )
 
 
+# latent shapes of 3 to 5 positive dims, "x" between them, separated by commas or spaces
+WARMUP_SHAPES = re.compile(r"[\s,;]*([1-9]\d*([xX][1-9]\d*){2,4}([\s,;]+|$))*")
+
+
+def _shapes(text: str) -> str:
+    if not WARMUP_SHAPES.fullmatch(text):
+        raise ValueError("latent shapes of 3 to 5 positive sizes, e.g. 1x16x128x128,1x16x64x64")
+    return text
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VAE_", extra="ignore")
 
@@ -34,7 +52,7 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     fallback: Literal["cpu", "off"] = "cpu"
-    parity_min_cos: float = 0.9999
+    parity_min_cos: float = Field(0.9999, gt=0, le=1)
     models: str = Field("", description="comma-separated store entries to load; empty = all")
     default_model: str | None = None
     verify_weights: bool = Field(True, description="check each entry's sha256 at startup")
@@ -82,9 +100,9 @@ class Settings(BaseSettings):
     batch_window_ms: float = Field(
         0.0, ge=0, description="how long the worker waits for more requests to fill a micro-batch"
     )
-    max_pixels: int = 2048 * 2048
-    max_frames: int = 257
-    max_body_mb: int = 256
+    max_pixels: int = Field(2048 * 2048, ge=1)
+    max_frames: int = Field(257, ge=1)
+    max_body_mb: int = Field(256, ge=1)
     bodies_mb: int = Field(
         1024,
         ge=1,
@@ -141,7 +159,9 @@ class Settings(BaseSettings):
     oom_fallback: Literal["off", "cpu"] = Field(
         "off", description="out of memory even tiled: 503 (off) or the float32 CPU path (cpu)"
     )
-    warmup_shapes: str = Field("", description="latent shapes decoded at startup: 1x16x128x128")
+    warmup_shapes: Annotated[str, AfterValidator(_shapes)] = Field(
+        "", description="latent shapes decoded at startup, comma-separated: 1x16x128x128"
+    )
     max_decode_mpixels: int = Field(
         4, ge=1, description="GPU: a micro-batch is split into decodes of this many Mpixels"
     )
@@ -158,7 +178,7 @@ class Settings(BaseSettings):
         description="peers whose X-Forwarded-For names the client (comma-separated IPs or "
         "CIDRs, '*' for any); others' is ignored",
     )
-    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    threads: int = Field(0, ge=0, description="torch's intra-op threads; 0: torch's default")
     # logs, tools and tests
     log_format: Literal["auto", "json", "text"] = Field(
         "auto", description="json: one Cloud Logging line per record; auto: json on Cloud Run"
@@ -166,8 +186,8 @@ class Settings(BaseSettings):
     gcp_project: str = Field(
         "", description="project of the request lines' trace links (GOOGLE_CLOUD_PROJECT wins)"
     )
-    h264_encoder: str = Field(
-        "", description="the MP4 writer's H.264 encoder (libx264, h264_nvenc); empty: detected"
+    h264_encoder: Literal["", "libx264", "h264_nvenc"] = Field(
+        "", description="the MP4 writer's H.264 encoder; empty: detected"
     )
     debug: bool = Field(False, description="the command line shows tracebacks, not one line")
     cpu_fast_bf16: bool | None = Field(
@@ -260,7 +280,11 @@ def setting(name: str) -> Any:
     raw = os.environ.get(f"VAE_{name.upper()}", "").strip()
     if not raw:
         return field.get_default(call_default_factory=True)
-    return TypeAdapter(field.annotation).validate_python(raw)
+    try:
+        return TypeAdapter(field.annotation).validate_python(raw)
+    except ValidationError as exc:  # one line naming the variable (no echo of the value)
+        reason = exc.errors(include_url=False, include_input=False)[0]["msg"]
+        raise ValueError(f"VAE_{name.upper()}: {reason}") from None
 
 
 def given(name: str) -> bool:

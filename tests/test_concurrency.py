@@ -241,3 +241,28 @@ def test_a_body_over_the_manifests_limit_gets_a_413_naming_it_and_the_way_around
     status, body = read_response(raw_request(url, target, headers={"Content-Length": "0"}))
     assert status == 413 and "VAE_MAX_BODY_MB" in body["error"], body
     assert "float16" in body["expected"] and time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("PORT", "abc"),
+        ("VAE_LOG_FORMAT", "yaml"),
+        ("VAE_THREADS", "-1"),
+        ("VAE_WARMUP_SHAPES", "1x16xfoo"),
+        ("VAE_H264_ENCODER", "bogus"),
+        ("VAE_MAX_PIXELS", "0"),
+        ("VAE_PARITY_MIN_COS", "1.5"),
+    ],
+)
+def test_serve_refuses_a_bad_value_in_one_line_naming_its_variable(tmp_path, variable, value):
+    """Not a traceback at startup, nor a value taken silently that fails later (a warm-up
+    shape that killed the loader thread while /readyz turned 200)."""
+    env = {**os.environ, "VAE_LOG_FORMAT": "text", variable: value}
+    run = launch.run(
+        [sys.executable, "-m", "app", "serve", "--models-dir", str(tmp_path)],
+        cwd=faulty.ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, lines
+    assert f"refusing to start: {variable}: " in lines[0], lines

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
 
     serve = sub.add_parser("serve", help="run the HTTP service")
     serve.add_argument("--host", default=os.environ.get("HOST", "0.0.0.0"))
-    serve.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8080")))
+    serve.add_argument("--port", type=int, help="default: $PORT, else 8080")
     serve.add_argument("--models-dir", default=DEFAULT_STORE)
     serve.set_defaults(run=_serve)
 
@@ -79,7 +79,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from app.telemetry.logs import configure_logging
 
-    configure_logging()
+    try:
+        configure_logging()  # reads VAE_LOG_FORMAT
+    except ValueError as exc:
+        print(f"refusing to start: {exc}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(args.run(args) or 0)
 
 
@@ -121,8 +125,12 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         settings = Settings(models_dir=Path(args.models_dir))
+        port = args.port if args.port is not None else _port(os.environ.get("PORT", "8080"))
     except ValidationError as exc:  # one line, no traceback (and no echo of the inputs)
         logging.getLogger("app.cli").critical("refusing to start: %s", _config_errors(exc))
+        return 2
+    except ValueError as exc:
+        logging.getLogger("app.cli").critical("refusing to start: %s", exc)
         return 2
 
     from app.runtime import heap
@@ -141,7 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
     uvicorn.run(
         create_app(settings),
         host=args.host,
-        port=args.port,
+        port=port,
         # a bound only: on SIGTERM the drain sets it to what is left of the deadline
         timeout_graceful_shutdown=settings.drain_grace_s,
         # slow-header clients: 408; a request half in at the shutdown: 503
@@ -152,6 +160,13 @@ def _serve(args: argparse.Namespace) -> int:
         **uvicorn_kwargs(),
     )
     return 0
+
+
+def _port(text: str) -> int:
+    """``PORT`` (Cloud Run sets it) as a port number."""
+    if not text.strip().isdigit() or not 0 < int(text) < 65536:
+        raise ValueError("PORT: a port number, 1..65535")
+    return int(text)
 
 
 def _config_errors(exc: ValidationError) -> str:
