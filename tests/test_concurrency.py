@@ -252,7 +252,7 @@ def test_a_body_over_the_manifests_limit_gets_a_413_naming_it_and_the_way_around
         ("VAE_WARMUP_SHAPES", "1x16xfoo"),
         ("VAE_H264_ENCODER", "bogus"),
         ("VAE_MAX_PIXELS", "0"),
-        ("VAE_PARITY_MIN_COS", "1.5"),
+        ("VAE_PARITY_MIN_COS", "0"),
     ],
 )
 def test_serve_refuses_a_bad_value_in_one_line_naming_its_variable(tmp_path, variable, value):

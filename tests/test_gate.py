@@ -77,6 +77,8 @@ def test_fallback_off_keeps_readyz_503_and_still_exports_the_cosine(flux_store):
         metrics = requests.get(f"{url}/metrics").text
         line = next(x for x in metrics.splitlines() if x.startswith("vae_parity_cosine{"))
         assert 0.99 < float(line.split()[-1]) < 1.0
+        # never served: no load time (VaeNoReadyReplica fires on a replica with none)
+        assert "vae_model_load_seconds{" not in metrics
 
 
 def test_fallback_cpu_is_reported_in_models(flux_store):

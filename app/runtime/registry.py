@@ -257,11 +257,12 @@ class Registry:
         """A part's metrics. A part served (its selection pending or done; one refused by
         ``VAE_FALLBACK=off`` only exports its cosine) has its request label sets created at 0
         before any request can count under its name (``Metrics.init_labels``). A decoder's
-        gauges: parity, fallback and ``vae_model_load_seconds`` by phase, where ``total`` is
+        gauges: parity, fallback and, once served, ``vae_model_load_seconds`` by phase, where ``total`` is
         the time until it first served and the modes measured after ready (``VAE_SELECT``)
         are ``select``, not ``gate`` (docs/metrics.md)."""
         name, state = entry.name, entry.state
-        if state.selection in ("pending", "done"):
+        served = state.selection in ("pending", "done")
+        if served:
             if entry.part != DECODER:
                 self.metrics.init_labels(name, ENCODE_OUTPUTS, refused_output=ENCODE_OUTPUTS[0])
             else:
@@ -271,6 +272,8 @@ class Registry:
             return
         self.metrics.parity_cosine.labels(name).set(cosine)
         self.metrics.fallback_active.labels(name).set(int(fallback))
+        if not served:  # its start never ended in a model served: no load time (the alert
+            return  # on a replica with none, VaeNoReadyReplica, counts these)
         after_ready = state.state == "ready"  # select_pending: the exact path served first
         if not after_ready:
             self.metrics.model_load_seconds.labels(name, "total").set(state.elapsed())
