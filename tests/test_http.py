@@ -218,6 +218,11 @@ BAD_INPUTS = [
     # (id, path, body, params, headers, status, words in the error)
     ("short body", "/decode/flux-tiny", F32[:-4], {"shape": [1, 16, 4, 4]}, {}, 400, "bytes"),
     ("no shape", "/decode/flux-tiny", F32, {}, {}, 422, "shape"),
+    ("two models", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "model": "x"}, {}, 422,
+     "?model= names 'x'"),
+    ("packed, no size", "/decode/flux-tiny", F32, {"shape": [1, 4, 64]}, {}, 422, "1 channels"),
+    ("batch over the limit", "/decode/flux-tiny", F32 * 9, {"shape": [9, 16, 4, 4]}, {}, 413,
+     "batch 9"),
     ("shape garbage", "/decode/flux-tiny", F32, {"shape": "abc"}, {}, 422, "shape"),
     ("shape negative", "/decode/flux-tiny", F32, {"shape": [1, 16, -4, 4]}, {}, 422, "shape"),
     (
@@ -358,6 +363,7 @@ def test_bad_input_is_refused_with_a_json_4xx(strict_server, case):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert words in error
+    assert r.json().get("expected"), r.text  # every 4xx says what was wanted instead
 
 
 def test_an_unknown_param_is_named_with_every_accepted_one(strict_server):

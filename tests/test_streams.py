@@ -132,7 +132,9 @@ def test_past_the_stream_cap_a_new_stream_gets_429_and_a_freed_slot_is_reused(se
         assert status == 429 and headers["retry-after"] == "1"
         assert headers["content-type"] == "application/json"
         error = json.loads(refused.raw.split(b"\r\n\r\n", 1)[1])["error"]
-        assert error == "the MP4 streams cap is reached: 3 streams are running (the most is 3)"
+        assert (
+            error == "the streamed answers' cap is reached: 3 streams are running (the most is 3)"
+        )
         refused.close()
     finally:
         for s in streams:

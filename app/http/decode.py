@@ -47,7 +47,7 @@ async def _decode(
     with timer.phase("parse"):
         head = parse_head(list(request.query_params.multi_items()), request.headers.items())
         layout = tensor_layout(request.headers.get("x-tensor-layout"))  # a pt video's bytes
-        model = resolve_model(name or head.params.model, serving)
+        model = resolve_model(name, head.params.model, serving)
         # refused before the body is read when the model's latents have no published factors
         preview_key = format_of(model) if head.params.output_type == "preview" else None
 
@@ -91,14 +91,26 @@ async def _decode(
     return response
 
 
-def resolve_model(name: str | None, serving: Serving) -> ServedPart:
+def resolve_model(
+    path: str | None, query: str | None, serving: Serving, route: str = "decode"
+) -> ServedPart:
+    """The model the path names, else ``?model=``, else ``VAE_DEFAULT_MODEL`` (or the only one
+    served); a path and a ``?model=`` that disagree are refused, not one of them ignored."""
     runtime = serving.runtime
-    name = name or serving.settings.default_model
+    if path and query and path != query:
+        raise ProtocolError(
+            422,
+            f"the path names model {path!r} and ?model= names {query!r}",
+            f"one of them: POST /{route}/{{model}} or ?model=",
+        )
+    name = path or query or serving.settings.default_model
     if name is None and len(runtime.models) == 1:
         name = next(iter(runtime.models))
     if name is None:
         raise ProtocolError(
-            400, "no model named", "POST /decode/{model}, ?model=, or set VAE_DEFAULT_MODEL"
+            400,
+            "no model named: the path names none, nor ?model=, and VAE_DEFAULT_MODEL is unset",
+            f"POST /{route}/{{model}}, ?model=, or set VAE_DEFAULT_MODEL",
         )
     if not NAME_RE.fullmatch(name):
         raise ProtocolError(404, "invalid model name", "letters, digits, '.', '_', '-'")

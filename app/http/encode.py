@@ -42,7 +42,7 @@ async def _encode(
     settings = serving.settings
     with timer.phase("parse"):
         head = parse_encode_head(list(request.query_params.multi_items()), request.headers.items())
-        model = resolve_model(name or head.params.model, serving)
+        model = resolve_model(name, head.params.model, serving, "encode")
         served = served_encoder(serving.runtime, model.name)
 
         async def read(limit: int) -> bytes:

@@ -37,7 +37,7 @@ def runtime_error(exc: BaseException, model: str, part: str = "decoder") -> Prot
     worker): one wording per cause; ``part`` names the decoder or the encoder that ran."""
     if isinstance(exc, StreamsFull):  # a QueueFull: checked first
         return ProtocolError(
-            429, f"the MP4 streams cap is reached: {exc}", "retry after Retry-After seconds"
+            429, f"the streamed answers' cap is reached: {exc}", "retry after Retry-After seconds"
         )
     if isinstance(exc, QueueFull):
         return ProtocolError(429, "the queue is full", "retry after Retry-After seconds")
@@ -81,7 +81,14 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 404 and (location := _without_trailing_slash(app, request.scope)):
             return Response(status_code=307, headers={"Location": location})
-        return error_response(exc.status_code, {"error": str(exc.detail)}, exc.headers)
+        body = {"error": str(exc.detail)}
+        if exc.status_code == 404:  # no such route (a model name with a "/" lands here too)
+            body["expected"] = (
+                "a route of GET /openapi.json; model names: letters, digits, '.', '_', '-'"
+            )
+        elif exc.status_code == 405:
+            body["expected"] = "a method the route takes (GET /openapi.json)"
+        return error_response(exc.status_code, body, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

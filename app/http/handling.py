@@ -226,7 +226,11 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytearray
     request.state.body_unread = True
     if shutdown in done:
         raise ProtocolError(503, "the service is shutting down", ANOTHER_INSTANCE)
-    raise ProtocolError(408, f"the body did not arrive within {timeout_s:g} s")
+    raise ProtocolError(
+        408,
+        f"the body did not arrive within {timeout_s:g} s",
+        "the whole body within VAE_BODY_TIMEOUT_S",
+    )
 
 
 def body_too_large(request: Request, body: str, limit: int) -> ProtocolError:
@@ -277,7 +281,11 @@ async def _receive_declared(request: Request, size: int) -> bytearray:
         async for chunk in request.stream():
             end = got + len(chunk)
             if end > size:  # h11 frames the body by Content-Length: never more than declared
-                raise ProtocolError(413, f"body exceeds its Content-Length of {size} bytes")
+                raise ProtocolError(
+                    413,
+                    f"body exceeds its Content-Length of {size} bytes",
+                    "a body of its declared Content-Length",
+                )
             view[got:end] = chunk
             got = end
     finally:

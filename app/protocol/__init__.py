@@ -162,7 +162,8 @@ def _check_output_holds(latent: torch.Tensor, model: ModelGeometry, output: Outp
         raise ProtocolError(
             422,
             "an image response holds one image; this latent decodes to more",
-            "batch 1 (one frame), or output_type=pt",
+            "batch 1 (one frame), or output_type=mp4, or the frames as a tensor "
+            "(output_type=pt, or Accept: tensor/binary)",
         )
     if output is Output.MP4 and latent.shape[0] != 1:
         raise ProtocolError(

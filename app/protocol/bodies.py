@@ -70,7 +70,7 @@ def _parse_raw(body: bytes, params: DecodeParams) -> Tensor:
             "little-endian tensor bytes, C order",
         )
     if not body:
-        raise ProtocolError(400, "empty body")
+        raise ProtocolError(400, "empty body", "the latent's bytes")
     # a bytearray body (how the service reads one) is used in place: no second copy
     buffer = body if isinstance(body, bytearray) else bytearray(body)
     return torch.frombuffer(buffer, dtype=dtype).reshape(params.shape)
@@ -149,7 +149,9 @@ def _parse_npy(body: bytes) -> Tensor:
             raise ValueError(f"version {version} is not supported (1.0 or 2.0)")
         shape, fortran_order, dtype = read_header(stream)
     except Exception as exc:  # numpy's header parser raises many types on hostile input
-        raise ProtocolError(400, f"body is not a valid .npy file: {plain(exc)}") from None
+        raise ProtocolError(
+            400, f"body is not a valid .npy file: {plain(exc)}", "a .npy file (format 1.0 or 2.0)"
+        ) from None
     if dtype.kind != "f" or dtype.itemsize not in (2, 4) or dtype.fields is not None:
         raise ProtocolError(422, f".npy dtype {dtype} is not supported", "float32|float16")
     if not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape):

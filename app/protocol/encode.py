@@ -40,7 +40,7 @@ from app.protocol.output import parse_accept
 from app.protocol.params import ENCODE_PARAMS, WIRE_DTYPES, DecodeParams, _bool, parse_params
 from app.protocol.params import parse_timeout as _parse_timeout
 from app.protocol.request import EncodeRequest, EncodeScaling, LatentFormat
-from app.protocol.shapes import Limits, check_run, mib
+from app.protocol.shapes import Limits, check_run, mib, rows
 
 IMAGE_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 MP4_TYPES = {"video/mp4"}
@@ -253,13 +253,19 @@ def _check_pixels(
 
 def _check_size(b: int, frames: int, h: int, w: int, geo: EncoderGeometry, limits: Limits) -> None:
     if b > limits.max_batch:
-        raise ProtocolError(413, f"batch {b} exceeds the limit {limits.max_batch}")
+        raise ProtocolError(413, f"batch {b} exceeds the limit {limits.max_batch}", rows(limits))
     if h * w > limits.max_pixels:
         raise ProtocolError(
-            413, f"input {w}x{h} exceeds the limit of {limits.max_pixels} pixels per frame"
+            413,
+            f"input {w}x{h} exceeds the limit of {limits.max_pixels} pixels per frame",
+            f"at most {limits.max_pixels} pixels per frame (VAE_MAX_PIXELS)",
         )
     if frames > limits.max_frames:
-        raise ProtocolError(413, f"{frames} input frames exceed the limit {limits.max_frames}")
+        raise ProtocolError(
+            413,
+            f"{frames} input frames exceed the limit {limits.max_frames}",
+            f"at most {limits.max_frames} frames (VAE_MAX_FRAMES)",
+        )
     shape = (b, 3, frames, h, w) if geo.is_video and frames > 1 else (b, 3, h, w)
     work = geo.planned_bytes(shape)
     if work > limits.max_decode_bytes:
@@ -318,7 +324,9 @@ def read_image(
             "a smaller image",
         ) from None
     except Exception as exc:  # Pillow raises many types on a broken header
-        raise ProtocolError(400, f"body is not a valid {kind} image: {plain(exc)}") from None
+        raise ProtocolError(
+            400, f"body is not a valid {kind} image: {plain(exc)}", "a PNG, JPEG or WebP image"
+        ) from None
     w, h = image.size
     _check_size(1, 1, h, w, geo, limits)
     try:
@@ -326,7 +334,9 @@ def read_image(
     except MemoryError:
         raise
     except Exception as exc:  # truncated or corrupt data past the header
-        raise ProtocolError(400, f"the {kind} image cannot be decoded: {plain(exc)}") from None
+        raise ProtocolError(
+            400, f"the {kind} image cannot be decoded: {plain(exc)}", "a whole PNG, JPEG or WebP"
+        ) from None
     return _to_pixels([rgb], multiple)
 
 

@@ -82,6 +82,11 @@ class ModelGeometry:
         )
 
 
+def rows(limits: Limits) -> str:
+    """What a 413 for a batch over ``VAE_MAX_BATCH`` expects."""
+    return f"at most {limits.max_batch} rows per request (VAE_MAX_BATCH): send the batch in parts"
+
+
 def layout_shape(shape: Sequence[int], params: DecodeParams, geo: ModelGeometry) -> list[int]:
     """The ``[B,C,H,W]`` / ``[B,C,T,H,W]`` shape a latent of ``shape`` decodes as, checked
     against the model and the geometry params. Needs no tensor: it runs before the body."""
@@ -99,10 +104,13 @@ def layout_shape(shape: Sequence[int], params: DecodeParams, geo: ModelGeometry)
     if len(shape) == 5 and not geo.is_video:
         raise ProtocolError(422, "this model decodes images; got a 5-D video latent", "[B,C,H,W]")
     if shape[1] != geo.latent_channels:
+        c = geo.latent_channels
+        layout = f"[B,{c},T,H,W] or [B,{c},H,W]" if geo.is_video else f"[B,{c},H,W]"
+        packed = len(shape) == 4 and shape[-1] == 4 * c and not geo.is_video
         raise ProtocolError(
             422,
-            f"latent has {shape[1]} channels but this model takes {geo.latent_channels}",
-            f"[B,{geo.latent_channels},H,W]",
+            f"latent has {shape[1]} channels but this model takes {c}",
+            layout + (f", or packed [B,N,{4 * c}] with height= and width=" if packed else ""),
         )
     _check_geometry_params(shape, params, geo)
     return shape
@@ -185,13 +193,19 @@ def check_shape(
     h, w = shape[-2] * geo.spatial_scale, shape[-1] * geo.spatial_scale
     frames = geo.frames_out(shape[2]) if len(shape) == 5 else 1
     if b > limits.max_batch:
-        raise ProtocolError(413, f"batch {b} exceeds the limit {limits.max_batch}")
+        raise ProtocolError(413, f"batch {b} exceeds the limit {limits.max_batch}", rows(limits))
     if h * w > limits.max_pixels:
         raise ProtocolError(
-            413, f"output {w}x{h} exceeds the limit of {limits.max_pixels} pixels per frame"
+            413,
+            f"output {w}x{h} exceeds the limit of {limits.max_pixels} pixels per frame",
+            f"at most {limits.max_pixels} pixels per frame (VAE_MAX_PIXELS)",
         )
     if len(shape) == 5 and frames > limits.max_frames:
-        raise ProtocolError(413, f"{frames} output frames exceed the limit {limits.max_frames}")
+        raise ProtocolError(
+            413,
+            f"{frames} output frames exceed the limit {limits.max_frames}",
+            f"at most {limits.max_frames} frames (VAE_MAX_FRAMES)",
+        )
     output = output_bytes(kind, b * frames * h * w, itemsize)
     if output > limits.max_output_bytes:
         raise ProtocolError(

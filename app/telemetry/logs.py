@@ -212,7 +212,10 @@ def log_request(request_id: str, model: str | None, shape: Sequence[int] | None,
         "fallback": None if fallback is None else bool(fallback),
     }
     fields.update(trace_fields(trace_header, project))
-    level = logging.ERROR if status >= 500 else logging.WARNING if status >= 400 else logging.INFO
+    # a 503 is load, a deadline or a shutdown (Retry-After), not a fault of the service
+    level = logging.WARNING if status >= 400 and status != 500 else logging.INFO
+    if status >= 500 and status != 503:
+        level = logging.ERROR
     if quiet:
         level = logging.DEBUG
     # The format string is a constant; every value arrives as an argument.
