@@ -45,6 +45,9 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
 ]
 TOKEN = "page-test-token"
+# how often the page polls /models (page.js)
+PAGE_JS = (Path(__file__).parent.parent / "app" / "http" / "page" / "page.js").read_text()
+REFRESH_MS = int(PAGE_JS.split("const REFRESH_MS = ", 1)[1].split(";", 1)[0])
 IMAGE_MODEL, VIDEO_MODEL = "flux-tiny", "wan2.1-tiny"
 HAVE_ENOUGH_DATA = 4  # HTMLMediaElement.readyState
 TIMEOUT_MS = 120_000
@@ -186,6 +189,9 @@ def _drive(browser, url, tmp_path, picture, image_latent, video_latent, wrong_la
     assert response.headers["content-security-policy"] == PAGE_CSP
     page.wait_for_selector("#models-status:has-text('needs a token')")
     assert all("401" in e for e in errors), errors  # GET /models refused, nothing else
+    refused = len(errors)
+    page.wait_for_timeout(REFRESH_MS + 500)  # a poll's time: no 401 more till a token is typed
+    assert len(errors) == refused, errors
     page.fill("#token", TOKEN)
     page.click("#token-form button[type=submit]")
     page.wait_for_selector(f'tr[data-model="{IMAGE_MODEL}"]')
@@ -279,6 +285,7 @@ def _drive(browser, url, tmp_path, picture, image_latent, video_latent, wrong_la
     page.select_option("#latent select[name=model]", IMAGE_MODEL)
     page.click("#latent button[type=submit]")
     page.wait_for_selector("#latent-error:visible")
+    assert page.is_hidden("#latent-result")  # the last decode's video is not this one's
     refusal = _refusal(url, wrong_latent)
     shown_error = page.text_content("#latent-error")
     assert f"422: {refusal['error']}" in shown_error and refusal["expected"] in shown_error

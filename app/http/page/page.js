@@ -165,13 +165,18 @@ function fillSelect(select, models) {
   if (names.includes(chosen)) select.value = chosen;
 }
 
-async function refresh() {
+let refused = false; // the last GET /models was a 401: no polling until a token is typed
+
+async function refresh(event) {
   if (refreshing || document.hidden) return; // a background tab polls nothing
+  if (refused && event === "poll") return; // a 401 every few seconds says nothing new
   refreshing = true;
   try {
     renderModels(await (await api("/models")).json());
+    refused = false;
   } catch (error) {
-    const hint = error.status === 401 ? "this service needs a token: type it above" : "";
+    refused = error.status === 401;
+    const hint = refused ? "this service needs a token: type it above" : "";
     $("models-status").textContent = hint || `GET /models failed: ${error.message}`;
   } finally {
     refreshing = false;
@@ -320,12 +325,13 @@ async function decodeLatent(form) {
 
 // ---- wiring ------------------------------------------------------------------------------------
 
-function onSubmit(form, errorBox, run) {
+function onSubmit(form, errorBox, result, run) {
   form.addEventListener("submit", async (event) => {
     event.preventDefault();
     const busy = form.querySelector(".busy");
     const button = form.querySelector("button[type=submit]");
     errorBox.hidden = true;
+    result.hidden = true; // the last run's result is not this one's: shown again on success
     busy.hidden = false;
     button.disabled = true;
     try {
@@ -359,9 +365,9 @@ $("token-forget").addEventListener("click", () => {
   refresh();
 });
 
-onSubmit($("roundtrip"), $("roundtrip-error"), roundTrip);
-onSubmit($("latent"), $("latent-error"), decodeLatent);
+onSubmit($("roundtrip"), $("roundtrip-error"), $("roundtrip-result"), roundTrip);
+onSubmit($("latent"), $("latent-error"), $("latent-result"), decodeLatent);
 showTokenState();
 refresh();
-setInterval(refresh, REFRESH_MS);
+setInterval(() => refresh("poll"), REFRESH_MS);
 document.addEventListener("visibilitychange", refresh);
