@@ -184,6 +184,42 @@ def test_concurrent_large_bodies_stay_in_the_budget_and_memory_returns(wide_stor
     assert peaks and all(held <= limit == BUDGET_MB * MIB for held, limit in peaks), peaks
 
 
+def test_a_body_declared_and_not_sent_costs_no_memory(wide_store, tmp_path):
+    """Memory follows the bytes a body sends, not the length it declares: three requests that
+    declare 100 MiB each and send nothing hold their room in the budget (a fourth: 429), but
+    the server's resident set does not grow by their 300 MiB."""
+    env = {"VAE_MODELS": "faulty-wide", "VAE_MAX_BODY_MB": "128", "VAE_BODIES_MB": "320",
+           "VAE_MAX_PIXELS": str(SHAPE[-1] * SHAPE[-2])}  # fmt: skip
+    target = f"/decode/faulty-wide?shape={list(SHAPE)}&output_type=pt".replace(" ", "")
+    head = (f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Type: tensor/binary\r\n"
+            f"Content-Length: {BODY}\r\n\r\n").encode()  # fmt: skip
+    with faulty.serve_process(wide_store, tmp_path / "serve.log", faulty_family=True, **env) as (
+        url,
+        proc,
+    ):
+        host, port = urlsplit(url).hostname, urlsplit(url).port
+        upload(url, memoryview(bytearray(MIB)))  # a refused shape: warms the request path
+        before = faulty.rss_bytes(proc.pid)
+        held = [socket.create_connection((host, port), timeout=30) for _ in range(3)]
+        for sock in held:
+            sock.sendall(head)
+
+        def refused() -> bool:  # a fourth such request: a 429 at once while the three hold
+            with socket.create_connection((host, port), timeout=30) as probe:
+                probe.sendall(head)
+                probe.settimeout(1.0)
+                try:
+                    return probe.recv(64).startswith(b"HTTP/1.1 429")
+                except TimeoutError:
+                    return False  # admitted (then let go): the three were not all in yet
+
+        faulty.wait_for("the three holding the budget", refused, 30)
+        grown = faulty.rss_bytes(proc.pid) - before
+        for sock in held:
+            sock.close()
+    assert grown < 64 * MIB, f"{grown / MIB:.0f} MiB for 300 MiB declared, none sent"
+
+
 # --- the budget and the read, in process ----------------------------------------------------
 
 

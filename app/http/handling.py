@@ -274,23 +274,20 @@ async def _receive(request: Request, lease: BodyLease, limit: int, size: int | N
 
 
 async def _receive_declared(request: Request, size: int) -> bytearray:
-    """A body of a declared length, into one buffer of that length (no chunks, no join)."""
-    body = bytearray(size)
-    view, got = memoryview(body), 0
-    try:
-        async for chunk in request.stream():
-            end = got + len(chunk)
-            if end > size:  # h11 frames the body by Content-Length: never more than declared
-                raise ProtocolError(
-                    413,
-                    f"body exceeds its Content-Length of {size} bytes",
-                    "a body of its declared Content-Length",
-                )
-            view[got:end] = chunk
-            got = end
-    finally:
-        view.release()
-    if got < size:  # a stream that ends early is a disconnect (Starlette raises it first)
+    """A body of a declared length, into one buffer that grows as it arrives (no chunks, no
+    join): memory follows the bytes sent, not the length declared (a buffer of that length,
+    zero-filled at once, made a request that sent only its headers cost its whole length).
+    A large buffer grows in place (glibc remaps it)."""
+    body = bytearray()
+    async for chunk in request.stream():
+        if len(body) + len(chunk) > size:  # h11 frames by Content-Length: never more
+            raise ProtocolError(
+                413,
+                f"body exceeds its Content-Length of {size} bytes",
+                "a body of its declared Content-Length",
+            )
+        body += chunk
+    if len(body) < size:  # a stream that ends early is a disconnect (Starlette raises it first)
         raise ClientGone
     return body
 
