@@ -35,13 +35,16 @@ class Encoder(VAEEncoder):
         super().__init__(config)
         self.conv_in = nn.Conv2d(3, config["width"], 3, padding=config.get("padding", 0))
 
+    # Its latent is declared, not computed: the store pairs an encoder only with a decoder of
+    # the same latent, and the stand-in stands beside the store tests' FLUX decoders (16
+    # channels, x4: tests/test_store_atomic.py's CFG); its convolution is what the tests vary.
     @property
     def latent_channels(self) -> int:
-        return int(self.config["width"])
+        return int(self.config.get("latent_channels", 16))
 
     @property
     def spatial_scale(self) -> int:
-        return 1
+        return int(self.config.get("spatial_scale", 4))
 
     def moments(self, x: Tensor, **options: Any) -> Tensor:
         return self.conv_in(x)

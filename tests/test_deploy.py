@@ -1002,12 +1002,15 @@ def test_request_log_severity_trace_and_clipping(json_log):
 
     long_url = "http://svc/" + "a" * 5000
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    log_request("r2", None, None, None, 503, {}, None, None, 0.5, "POST", long_url, None, None,
+    log_request("r2", None, None, None, 500, {}, None, None, 0.5, "POST", long_url, None, None,
                 trace_header=traceparent, project="p")  # fmt: skip
     log_request("r3", "m", [1], "pt", 422, {}, "cpu", True, 0.01, "POST", "http://svc/", "ua",
                 10, trace_header="garbage", project="p")  # fmt: skip
-    first, second = (json.loads(line) for line in json_log.getvalue().splitlines())
-    assert first["severity"] == "ERROR" and second["severity"] == "WARNING"
+    # a 503 is load, a deadline or a shutdown: a warning, as a 4xx
+    log_request("r4", "m", [1], "pt", 503, {}, "cpu", False, 0.01, "POST", "http://svc/", "ua",
+                10, project="p")  # fmt: skip
+    first, second, third = (json.loads(line) for line in json_log.getvalue().splitlines())
+    assert first["severity"] == "ERROR" and second["severity"] == third["severity"] == "WARNING"
     assert len(first["httpRequest"]["requestUrl"]) == MAX_URL
     assert "responseSize" not in first["httpRequest"]
     assert (

@@ -150,11 +150,13 @@ def test_unknown_decoder_tensors_are_refused(tmp_path):
         ltx.convert(_ltx2_file(ref, tmp_path, None, extra))
 
 
-def test_cli_refusal_stores_nothing(tmp_path):
+def test_cli_refusal_stores_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("app.telemetry.logs.configure_logging", lambda: None)
     (tmp_path / "vae").mkdir()
     (tmp_path / "vae" / "config.json").write_text(json.dumps({"_class_name": "LTX2Vocoder"}))
     store = tmp_path / "models"
     argv = ["import", "ltx", str(tmp_path / "vae"), "--name", "voc", "--models-dir", str(store)]
-    with pytest.raises(ValueError, match="audio side"):
+    with pytest.raises(SystemExit) as done:
         main(argv)
+    assert done.value.code == 1 and "audio side" in capsys.readouterr().err
     assert not (store / "voc").exists()

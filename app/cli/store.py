@@ -67,7 +67,7 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     from app.cli.errors import CommandError, describe
     from app.families import family
     from app.runtime.references import store_references
-    from app.store import StoreError, write_model
+    from app.store import PairError, StoreError, write_model
 
     if not args.source.exists():
         raise CommandError(f"{args.source}: no such file or folder")
@@ -80,8 +80,9 @@ def import_checkpoint(args: argparse.Namespace) -> int:
             f'{describe(exc)} (README, "Command line", lists what each family imports)'
         ) from exc
     encoder_config, encoder_state = _convert_encoder(described.encoder, args.source)
-    try:
-        manifest = write_model(
+
+    def write(encoder_state: dict | None, encoder_config: dict | None) -> Any:
+        return write_model(
             Path(args.models_dir),
             args.name,
             args.family,
@@ -92,6 +93,13 @@ def import_checkpoint(args: argparse.Namespace) -> int:
             encoder_state=encoder_state,
             encoder_config=encoder_config,
         )
+
+    try:
+        try:
+            manifest = write(encoder_state, encoder_config)
+        except PairError as exc:  # the decoder is still what was asked for
+            print(f"no encoder imported: {exc}", file=sys.stderr)
+            manifest = write(None, None)
     except StoreError as exc:
         print(f"import refused: {exc}", file=sys.stderr)
         return 2

@@ -32,7 +32,14 @@ from app.store.files import (
     entry_dir,
 )
 from app.store.manifest import Manifest, public_source, sha256_file
-from app.store.meta import check_pair, check_shapes, checked_meta_build, meta_module, read_header
+from app.store.meta import (
+    PairError,
+    check_pair,
+    check_shapes,
+    checked_meta_build,
+    meta_module,
+    read_header,
+)
 from app.store.read import (
     list_models,
     load_encoder,
@@ -54,6 +61,7 @@ __all__ = [
     "PAUSE_ENV",
     "WEIGHTS",
     "Manifest",
+    "PairError",
     "StoreError",
     "check_name",
     "check_pair",

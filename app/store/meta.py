@@ -101,6 +101,10 @@ def check_shapes(what: str, module: nn.Module, shapes: dict[str, tuple[int, ...]
             )
 
 
+class PairError(StoreError):
+    """An encoder whose latent is not its decoder's."""
+
+
 def check_pair(what: str, decoder: nn.Module, encoder: nn.Module) -> None:
     """Refuse an encoder whose latent is not the one its decoder takes (channels, pixels per
     latent cell, frames per latent frame): its latents would decode to another size."""
@@ -109,7 +113,7 @@ def check_pair(what: str, decoder: nn.Module, encoder: nn.Module) -> None:
         return f"{m.latent_channels} channels, x{m.spatial_scale} in space, x{m.temporal_scale} in time"
 
     if geometry(encoder) != geometry(decoder):
-        raise StoreError(
+        raise PairError(
             f"{what}: the encoder's latent ({geometry(encoder)}) is not the decoder's "
             f"({geometry(decoder)}): an encoder of another model"
         )
