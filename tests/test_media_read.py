@@ -433,3 +433,77 @@ def test_ffmpegs_last_line_loses_addresses_and_paths(tmp_path):
     with tempfile.TemporaryFile() as file:
         file.write(log.encode())
         assert _last_line(file, body) == "Error reading <file> and <file> ratio 1/2"
+
+
+def claiming(mp4: bytes, samples: int) -> bytes:
+    """The MP4 with its sample tables claiming ``samples`` samples of one size in one chunk
+    (``stsz`` sample_size and count, one ``stsc`` entry): a few KB whose index, built as the
+    file opens (24 bytes a sample in ffmpeg's mov demuxer), would be ``samples`` entries."""
+    out, containers = bytearray(mp4), {b"moov", b"trak", b"mdia", b"minf", b"stbl"}
+
+    def walk(at: int, end: int) -> None:
+        while at + 8 <= end:
+            size, kind = struct.unpack(">I4s", out[at : at + 8])
+            if kind in containers:
+                walk(at + 8, at + size)
+            elif kind == b"stsz":
+                struct.pack_into(">II", out, at + 12, 100, samples)
+            elif kind == b"stsc":
+                struct.pack_into(">IIII", out, at + 12, 1, 1, samples, 1)
+            at += size
+
+    walk(0, len(out))
+    return bytes(out)
+
+
+PROBE_PEAK = """
+import resource, sys
+from pathlib import Path
+from app.media.read import MediaError, mp4_frames, probe_mp4
+try:
+    path = Path(sys.argv[1])
+    info = probe_mp4(path, max_frames=257, max_pixels=2048 * 2048)
+    list(mp4_frames(path, info, max_frames=257))
+    print("read", info)
+except MediaError as exc:
+    print("refused", exc.status)
+print("peak", resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss << 10)
+"""
+
+
+def test_an_mp4_claiming_millions_of_samples_costs_ffmpeg_no_more_memory(clip, tmp_path):
+    """A 3 KB container's index is bounded (ffmpeg's -max_alloc): 20 million claimed samples
+    made ffmpeg allocate 1.2 GB as it opened the file (80 million: 4.1 GB); what a real clip
+    needs is a few tens of MB. Refused as a broken MP4, or read as no frames."""
+    import sys
+
+    peaks = {}
+    for name, body in (("real", clip), ("claiming", claiming(clip, 20_000_000))):
+        path = tmp_path / f"{name}.mp4"
+        path.write_bytes(body)
+        run = subprocess.run([sys.executable, "-c", PROBE_PEAK, str(path)], capture_output=True,
+                             text=True, timeout=120, cwd=Path(__file__).parent.parent)  # fmt: skip
+        lines = run.stdout.splitlines()
+        assert run.returncode == 0 and lines, run.stderr[-2000:]
+        peaks[name] = int(lines[-1].split()[1])
+        if name == "claiming":
+            assert lines[0] in ("refused 400", "read VideoInfo(width=96, height=64, frames=0)")
+    assert peaks["claiming"] < peaks["real"] + (128 << 20), peaks
+
+
+def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding(url):
+    """Each scan of a progressive JPEG is a pass over the whole image: one scan repeated
+    makes a body whose decode costs CPU without bound. An encoder's progressive JPEG (about
+    ten scans) is read as ever."""
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 255, (64, 64, 3), np.uint8))
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", progressive=True, quality=90)
+    jpeg = buf.getvalue()
+    jpeg_type = {"Content-Type": "image/jpeg"}
+    ok = requests.post(f"{url}/encode/flux-enc", data=jpeg, headers=jpeg_type, timeout=60)
+    assert ok.status_code == 200, ok.text
+    last = jpeg.rindex(b"\xff\xda")  # the last scan, up to the end of image
+    bomb = jpeg[:last] + jpeg[last:-2] * 5000 + b"\xff\xd9"
+    r = requests.post(f"{url}/encode/flux-enc", data=bomb, headers=jpeg_type, timeout=60)
+    assert r.status_code == 422, r.text
+    assert "scans" in r.json()["error"] and "at most" in r.json()["expected"]

@@ -39,6 +39,7 @@ NOT_AN_MP4 = "not a readable MP4 (H.264/HEVC/VP9/AV1 video in an MP4 container)"
 PROBE_TIMEOUT_S = 60.0  # copying packets is fast: only a hostile index takes this long
 MAX_PROBE_LOG = 1 << 20  # of ffmpeg's stream listing; its metadata comes first and can be huge
 LOG_TAIL = 4096  # of ffmpeg's stderr, where its last line is
+MAX_ALLOC = 64 << 20  # ffmpeg's largest single allocation (-max_alloc), at least
 GREY_16_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 VIDEO_STREAM = re.compile(r"^  Stream #0:\d+\S*: Video: .*?[ ,](\d+)x(\d+)[ ,]")
 HEAP_TAG = re.compile(r"\[[^\]]*@ 0x[0-9a-fA-F]+\]\s*")  # "[h264 @ 0x55d...]": an address
@@ -178,7 +179,11 @@ def _ffmpeg_input(path: Path, max_pixels: int | None = None) -> list[str]:
     by default and is pinned off here, with ``use_absolute_path``."""
     import imageio_ffmpeg
 
-    args = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-hide_banner"]
+    # no single allocation past this: a 3 KB container that claims 80 million samples made
+    # the mov demuxer's index (24 bytes a sample) 4 GB; frames need far less (an RGB frame of
+    # max_pixels, at most)
+    most = max(MAX_ALLOC, 8 * (max_pixels or 0))
+    args = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-hide_banner", "-max_alloc", str(most)]
     args += ["-protocol_whitelist", "file", "-format_whitelist", MP4_DEMUXERS]
     args += ["-codec_whitelist", VIDEO_DECODERS, "-f", "mp4"]
     args += ["-enable_drefs", "0", "-use_absolute_path", "0"]
