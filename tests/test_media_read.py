@@ -1,18 +1,22 @@
 """Untrusted media bodies (``app/media/read.py``): ``POST /encode`` on a live server and
 ``python -m app encode``'s reader never let ffmpeg open a file a body names (ffconcat, DASH,
 HLS), refuse a non-MP4 declared ``video/mp4``, keep ffmpeg's banner and host paths out of
-error bodies, refuse an MP4 past the frame or pixel limit before decoding it, and read every
-PNG mode (16-bit grey included) as the pixels it means.
+error bodies, refuse an MP4 past the frame or pixel limit before decoding it, keep ffmpeg
+within a memory bound whatever an MP4 claims, refuse a JPEG of too many scans before decoding
+it, and read every PNG mode (16-bit grey included) as the pixels it means.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import shlex
 import struct
 import subprocess
+import sys
 import tempfile
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -507,3 +511,108 @@ def test_a_jpeg_of_thousands_of_scans_is_refused_before_decoding(url):
     r = requests.post(f"{url}/encode/flux-enc", data=bomb, headers=jpeg_type, timeout=60)
     assert r.status_code == 422, r.text
     assert "scans" in r.json()["error"] and "at most" in r.json()["expected"]
+
+
+def with_tracks(mp4: bytes, count: int) -> bytes:
+    """The MP4 with its one track ``count`` times (ids 1..count), in a ``moov`` that ends the
+    file as imageio's writer puts it (no chunk offset moves)."""
+    at = 0
+    while mp4[at + 4 : at + 8] != b"moov":
+        at += struct.unpack(">I", mp4[at : at + 4])[0]
+    end = at + struct.unpack(">I", mp4[at : at + 4])[0]
+    assert end == len(mp4), "a moov before the media data: its chunk offsets would move"
+    boxes, i = b"", at + 8
+    while i < end:
+        size, kind = struct.unpack(">I4s", mp4[i : i + 8])
+        boxes += mp4[i : i + size]
+        for track in range(2, count + 1 if kind == b"trak" else 0):
+            copy = bytearray(mp4[i : i + size])
+            tkhd = copy.index(b"tkhd") - 4  # its track id: after version 0's 32-bit times
+            struct.pack_into(">I", copy, tkhd + (20 if copy[tkhd + 8] == 0 else 28), track)
+            boxes += copy
+        i += size
+    return mp4[:at] + struct.pack(">I4s", len(boxes) + 8, b"moov") + boxes
+
+
+PEAK = """import resource, subprocess, sys
+code = subprocess.call(sys.argv[2:])
+with open(sys.argv[1], "a") as peaks:
+    print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss << 10, file=peaks)
+sys.exit(code)
+"""
+
+
+@pytest.fixture
+def ffmpeg_peaks(tmp_path, monkeypatch) -> Callable[[], list[int]]:
+    """Every ffmpeg run's peak resident set (bytes), from a small Python parent of its own:
+    the maxrss of a child pytest forks starts at pytest's own size."""
+    import imageio_ffmpeg
+
+    (tmp_path / "peak.py").write_text(PEAK)
+    peaks, exe = tmp_path / "peaks", tmp_path / "ffmpeg"
+    args = [sys.executable, "-I", "-S", str(tmp_path / "peak.py"), str(peaks)]
+    exe.write_text(f'#!/bin/sh\nexec {shlex.join([*args, _ffmpeg()])} "$@"\n')
+    exe.chmod(0o755)
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: str(exe))
+    return lambda: [int(n) for n in peaks.read_text().split()] if peaks.exists() else []
+
+
+@pytest.mark.parametrize("tracks, samples", [(1, 20_000_000), (16, 2_500_000)])
+def test_an_mp4_claiming_millions_of_samples_keeps_ffmpeg_bounded(
+    clip, ffmpeg_peaks, tracks, samples
+):
+    """ffmpeg's mov demuxer indexes every sample a file claims (24 bytes each) as it opens it:
+    one track claiming 20 million took 1.2 GB. -max_alloc refuses that one allocation, not
+    16 tracks of 2.5 million (60 MB each): 1 GB. The service's reader refuses both (4xx),
+    each ffmpeg run within its memory bound (RLIMIT_DATA: 128 MiB probing)."""
+    from app.media.read import MediaError, Mp4Clip
+
+    body = with_tracks(claiming(clip, samples), tracks)
+    with pytest.raises(MediaError) as refused:
+        Mp4Clip(body, max_frames=MAX_FRAMES, max_pixels=MAX_PIXELS, multiple=8).close()
+    assert refused.value.status in (400, 413), refused.value.message
+    peaks = ffmpeg_peaks()
+    assert peaks and max(peaks) < 300 << 20, peaks
+
+
+def scan_bomb(repeats: int) -> bytes:
+    """A 64x64 progressive JPEG (Pillow's: about ten scans) with its last scan repeated."""
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 255, (64, 64, 3), np.uint8))
+    buf = io.BytesIO()
+    image.save(buf, "JPEG", progressive=True, quality=90)
+    jpeg = buf.getvalue()
+    return jpeg[:-2] + jpeg[jpeg.rindex(b"\xff\xda") : -2] * repeats + b"\xff\xd9"
+
+
+def test_rgb_image_refuses_a_jpeg_past_the_scan_limit_before_decoding(monkeypatch):
+    from PIL import JpegImagePlugin
+
+    from app.media.read import MAX_JPEG_SCANS, MediaError, rgb_image
+
+    scans = scan_bomb(0).count(b"\xff\xda")
+    at_limit = Image.open(io.BytesIO(scan_bomb(MAX_JPEG_SCANS - scans)))
+    assert rgb_image(at_limit).size == (64, 64)
+    past = Image.open(io.BytesIO(scan_bomb(MAX_JPEG_SCANS - scans + 1)))
+
+    def decoded(*args, **kwargs):
+        raise AssertionError("the JPEG was decoded")
+
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "load", decoded)
+    with pytest.raises(MediaError, match=f"more than {MAX_JPEG_SCANS} scans") as refused:
+        rgb_image(past)
+    assert refused.value.status == 422
+
+
+@pytest.mark.parametrize("declared", ["image/png", "image/webp"])
+def test_a_jpeg_of_thousands_of_scans_declared_another_type_is_refused(url, declared):
+    """Pillow opens a JPEG whatever the Content-Type said: the scan limit holds for it too."""
+    from app.media.read import MAX_JPEG_SCANS
+
+    r = requests.post(
+        f"{url}/encode/flux-enc",
+        data=scan_bomb(5000),
+        headers={"Content-Type": declared},
+        timeout=60,
+    )
+    assert 400 <= r.status_code < 500, r.text
+    assert f"more than {MAX_JPEG_SCANS} scans (the limit)" in r.json()["error"]

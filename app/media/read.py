@@ -10,12 +10,14 @@ file (an ffconcat script, an HLS playlist, a DASH manifest, a ``dref`` atom). Th
 probed without decoding (``probe_mp4``: its size, and its frame count from copying its
 packets) so a caller can refuse it before any pixel exists; ``mp4_frames`` then yields the
 decoded frames one at a time, holding each to the probed size and stopping at the frame
-limit, since a container can lie. ffmpeg's messages reach a caller as one fixed sentence and
-at most the last line of its stderr with paths removed.
+limit, since a container can lie. Each ffmpeg run is bounded in memory whatever the
+container claims (``PROBE_MEMORY``). ffmpeg's messages reach a caller as one fixed sentence
+and at most the last line of its stderr with paths removed.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tempfile
@@ -28,7 +30,7 @@ from typing import IO
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 from torch import Tensor
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what Pillow may open: no other plugin sees a body
@@ -40,6 +42,28 @@ PROBE_TIMEOUT_S = 60.0  # copying packets is fast: only a hostile index takes th
 MAX_PROBE_LOG = 1 << 20  # of ffmpeg's stream listing; its metadata comes first and can be huge
 LOG_TAIL = 4096  # of ffmpeg's stderr, where its last line is
 MAX_ALLOC = 64 << 20  # ffmpeg's largest single allocation (-max_alloc), at least
+# -max_alloc bounds one allocation, not their sum: a 27 KB MP4 of 40 tracks, each claiming 5.5
+# million samples (an index of 132 MB, under it), made a probe take 5.3 GB. So every ffmpeg
+# run also has a cap on all its writable memory (``_bounded``), from what this module's
+# commands were measured to need: a probe 33 MiB for any clip up to 2048x2048 (4:4:4 10-bit
+# included); a decode with DECODE_THREADS and a slow reader (ffmpeg's queues full) 74 MiB at
+# 64x64, 737 MiB at 2048x2048 (H.264 4:4:4 10-bit, 16 references: 158 bytes a pixel over the
+# base; 4:2:0 8-bit, a third of that).
+PROBE_MEMORY = 128 << 20  # a probe's in all, the index included
+DECODE_MEMORY = 64 << 20  # a decode's on top of PROBE_MEMORY: its threads' stacks, its queues,
+DECODE_BYTES_PER_PIXEL = 256  # and its frames (references, queued, converted to RGB)
+# a decode's threads, pinned so that its memory does not grow with the host's cores (ffmpeg's
+# default: a thread per core and one more, each with a stack and frames), as app/media/mp4.py
+# pins its encoder's
+DECODE_THREADS = 2
+OUT_OF_MEMORY = (b"Cannot allocate memory", b"pthread_create() failed")  # what ffmpeg says then
+# A progressive JPEG's every scan is a pass over every block of the image (5,000 scans of one
+# 2048x2048 image: 2 s, 30,000: 150 s); an encoder writes about ten; 500 as libjpeg-turbo's
+# fuzzers (metadata, a motion photo's appended video, can hold FF DA too; 500 scans of
+# 2048x2048 cost about 0.3 s). The protocol refuses a body declared image/jpeg past it
+# (app/protocol/encode.py); Pillow opens a JPEG whatever the declared type, so ``rgb_image``
+# holds any JPEG, by what it is, to the same limit.
+MAX_JPEG_SCANS = 500
 GREY_16_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
 VIDEO_STREAM = re.compile(r"^  Stream #0:\d+\S*: Video: .*?[ ,](\d+)x(\d+)[ ,]")
 HEAP_TAG = re.compile(r"\[[^\]]*@ 0x[0-9a-fA-F]+\]\s*")  # "[h264 @ 0x55d...]": an address
@@ -48,7 +72,8 @@ PATH = re.compile(r"(?:file:)?(?<![\w/.])/[^\s'\"]*")
 
 class MediaError(ValueError):
     """A body the reader refuses; ``status`` is the HTTP status the service answers: 400
-    (the message then starts with ``NOT_AN_MP4``) or 413 (past a limit, which it names)."""
+    (the message then starts with ``NOT_AN_MP4``), 413 (past a limit, which it names) or 422
+    (a JPEG past ``MAX_JPEG_SCANS``, as the protocol answers a declared one)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -64,10 +89,28 @@ def rgb_image(image: Image.Image) -> Image.Image:
     """Any Pillow mode -> 8-bit RGB at the values it means. 16-bit grey (``I;16*``, and
     ``I`` when it holds 16-bit values) is scaled by 255/65535; every other mode goes through
     ``convert("RGB")`` as diffusers' ``VaeImageProcessor`` does (alpha dropped, palettes
-    looked up, 1-bit to 0/255). Pillow opens 16-bit RGB(A) PNGs as 8-bit already."""
+    looked up, 1-bit to 0/255). Pillow opens 16-bit RGB(A) PNGs as 8-bit already. A JPEG
+    of more than ``MAX_JPEG_SCANS`` scans is refused before it is decoded."""
+    if isinstance(image, JpegImagePlugin.JpegImageFile) and image.tile and image.fp:
+        if _jpeg_scans(image.fp) > MAX_JPEG_SCANS:
+            raise MediaError(422, f"the JPEG has more than {MAX_JPEG_SCANS} scans (the limit)")
     if image.mode in GREY_16_MODES or image.mode == "I":
         return Image.fromarray(_grey_to_8_bit(np.asarray(image)), "L").convert("RGB")
     return image.convert("RGB")
+
+
+def _jpeg_scans(file: IO[bytes]) -> int:
+    """A JPEG's start-of-scan markers (FF DA), counted a MiB at a time up to one past
+    ``MAX_JPEG_SCANS``: at least its scans, since entropy-coded data holds an FF only before
+    00, a restart or a marker (its metadata may add a few). ``file``'s position is kept."""
+    at, count, carry = file.tell(), 0, b""
+    file.seek(0)
+    while count <= MAX_JPEG_SCANS and (chunk := file.read(1 << 20)):
+        data = carry + chunk  # a marker across two chunks counts once
+        count += data.count(b"\xff\xda")
+        carry = data[-1:]
+    file.seek(at)
+    return count
 
 
 def _grey_to_8_bit(values: np.ndarray) -> np.ndarray:
@@ -171,12 +214,15 @@ def mp4_file(body: bytes) -> Iterator[Path]:
         yield path
 
 
-def _ffmpeg_input(path: Path, max_pixels: int | None = None) -> list[str]:
+def _ffmpeg_input(
+    path: Path, max_pixels: int | None = None, threads: int | None = None
+) -> list[str]:
     """ffmpeg reading ``path`` as an MP4 and nothing else: the demuxer is forced, never
     guessed from the content (which is how a concat script, playlist or manifest would get
     in), only ``file:`` may be opened, only video decoders. The mov demuxer's
     ``enable_drefs`` (tracks whose data lives in another file a ``dref`` atom names) is off
-    by default and is pinned off here, with ``use_absolute_path``."""
+    by default and is pinned off here, with ``use_absolute_path``. ``threads``: the
+    decoder's (None: ffmpeg's default)."""
     import imageio_ffmpeg
 
     # no single allocation past this: a 3 KB container that claims 80 million samples made
@@ -189,6 +235,8 @@ def _ffmpeg_input(path: Path, max_pixels: int | None = None) -> list[str]:
     args += ["-enable_drefs", "0", "-use_absolute_path", "0"]
     if max_pixels:  # the decoders' own bound: a stream that lies cannot allocate past it
         args += ["-max_pixels", str(max_pixels)]
+    if threads:
+        args += ["-threads", str(threads)]
     return [*args, "-i", f"file:{path.resolve()}", "-map", "0:v:0"]
 
 
@@ -209,12 +257,15 @@ def probe_mp4(
     with tempfile.TemporaryFile() as log:
         try:
             run = subprocess.run(
-                command, stdout=subprocess.PIPE, stderr=log, timeout=PROBE_TIMEOUT_S
+                _bounded(command, PROBE_MEMORY),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                timeout=PROBE_TIMEOUT_S,
             )
         except subprocess.TimeoutExpired:
             raise _unreadable("probing it timed out") from None
         if run.returncode != 0:
-            raise _unreadable(_last_line(log, path))
+            raise _failure(log, path, PROBE_MEMORY)
         log.seek(0)
         listing = log.read(MAX_PROBE_LOG)
     size = next(filter(None, map(VIDEO_STREAM.match, _lines(listing))), None)
@@ -222,6 +273,8 @@ def probe_mp4(
     if size is None or not counts:
         raise _unreadable("no video stream size or frame count")
     info = VideoInfo(int(size[1]), int(size[2]), int(counts[-1]))
+    if info.frames == 0:  # also what an index past ffmpeg's memory bound leaves, silently
+        raise _unreadable("its video stream has no readable frame")
     if max_frames is not None and info.frames > max_frames:
         raise MediaError(413, f"the MP4 has more than {max_frames} frames (the limit)")
     if max_pixels is not None and info.width * info.height > max_pixels:
@@ -238,25 +291,41 @@ def mp4_frames(
     """The first video stream's frames, uint8 ``[H, W, 3]``, decoded one at a time. Each
     frame comes as a PPM (its own size in its header) and must be the probed size, or its
     transpose (ffmpeg applies a display rotation), like every frame before it; past
-    ``max_frames`` frames, a 413. ffmpeg's decoders are bounded by the probed size too.
-    Closing the iterator early ends ffmpeg."""
-    bound = _decoder_bound(info.width * info.height)
-    command = [*_ffmpeg_input(path, bound), "-loglevel", "error"]
+    ``max_frames`` frames, a 413. ffmpeg's decoders are bounded by the probed size too, and
+    its memory by a probe's and a decode's of that size. Closing the iterator early ends
+    ffmpeg."""
+    pixels = info.width * info.height
+    command = [*_ffmpeg_input(path, _decoder_bound(pixels), DECODE_THREADS), "-loglevel", "error"]
     if max_frames is not None:
         command += ["-frames:v", str(max_frames + 1)]
-    command += ["-c:v", "ppm", "-pix_fmt", "rgb24", "-f", "image2pipe", "pipe:1"]
+    command += ["-c:v", "ppm", "-pix_fmt", "rgb24", "-filter_threads", "1"]
+    command += ["-f", "image2pipe", "pipe:1"]
+    memory = PROBE_MEMORY + DECODE_MEMORY + DECODE_BYTES_PER_PIXEL * pixels
     with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log)
+        proc = subprocess.Popen(_bounded(command, memory), stdout=subprocess.PIPE, stderr=log)
         try:
             assert proc.stdout is not None
             yield from _ppm_frames(proc.stdout, info, max_frames)
             if proc.wait() != 0:
-                raise _unreadable(_last_line(log, path))
+                raise _failure(log, path, memory)
         finally:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
             proc.stdout.close()
+
+
+def _bounded(command: list[str], memory: int) -> list[str]:
+    """``command`` run with at most ``memory`` bytes of writable memory (RLIMIT_DATA: heap and
+    private mappings, thread stacks included; RLIMIT_AS would also count reserved address
+    space), set by a shell between fork and exec: ``preexec_fn`` is unsafe in a threaded
+    parent (the server), and a limit set once ffmpeg runs (prlimit) would race its demuxer.
+    ``exec`` keeps the pid, so ending the process ends ffmpeg. A host's lower hard limit
+    makes ulimit fail, and holds. Without a POSIX shell, ``-max_alloc`` is the one bound."""
+    if os.name != "posix":
+        return command
+    script = 'ulimit -S -d "$1" 2>/dev/null; shift; exec "$@"'
+    return ["/bin/sh", "-c", script, "sh", str(memory >> 10), *command]
 
 
 def _decoder_bound(pixels: int) -> int:
@@ -306,6 +375,16 @@ def _read_frame(stream: IO[bytes], size: tuple[int, int]) -> np.ndarray:
 
 def _lines(log: bytes) -> list[str]:
     return log.decode("utf-8", "replace").splitlines()
+
+
+def _failure(log: IO[bytes], path: Path, memory: int) -> MediaError:
+    """ffmpeg's failure as a caller sees it: past its memory bound (an allocation refused, or
+    a thread's stack), a 413 that names the bound; else its last line."""
+    log.seek(max(0, log.seek(0, 2) - LOG_TAIL))
+    tail = log.read()
+    if any(sign in tail for sign in OUT_OF_MEMORY):
+        return MediaError(413, f"the MP4 takes more than {memory >> 20} MiB to read (the limit)")
+    return _unreadable(_last_line(log, path))
 
 
 def _last_line(log: IO[bytes], path: Path) -> str:

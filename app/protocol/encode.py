@@ -304,10 +304,10 @@ def _memory_is_503(read: Callable[P, R]) -> Callable[P, R]:
     return reading
 
 
-# A progressive JPEG is decoded scan by scan, each over every block of the image: a few KB
-# per scan, repeated, cost CPU without bound (30,000 scans of a 2048x2048 image: 150 s). An
-# encoder's progressive script has about ten; libjpeg-turbo's tools suggest refusing past 500.
-MAX_JPEG_SCANS = 200
+# a body declared a JPEG is refused from its bytes before Pillow opens it; any JPEG Pillow
+# opens (whatever declared) is held to the same limit by ``media_read.rgb_image``
+MAX_JPEG_SCANS = media_read.MAX_JPEG_SCANS
+SCANS_EXPECTED = f"at most {MAX_JPEG_SCANS} scans (a baseline or an encoder's progressive JPEG)"
 
 
 def _check_scans(body: bytes, kind: str) -> None:
@@ -321,7 +321,7 @@ def _check_scans(body: bytes, kind: str) -> None:
         raise ProtocolError(
             422,
             f"the JPEG has {scans} scans: decoding each costs a pass over the whole image",
-            f"at most {MAX_JPEG_SCANS} scans (a baseline or an encoder's progressive JPEG)",
+            SCANS_EXPECTED,
         )
 
 
@@ -355,6 +355,8 @@ def read_image(
         rgb = media_read.rgb_image(image)
     except MemoryError:
         raise
+    except media_read.MediaError as exc:  # a JPEG past the scan limit, whatever declared
+        raise ProtocolError(exc.status, str(exc), SCANS_EXPECTED) from None
     except Exception as exc:  # truncated or corrupt data past the header
         raise ProtocolError(
             400, f"the {kind} image cannot be decoded: {plain(exc)}", "a whole PNG, JPEG or WebP"
