@@ -4,7 +4,7 @@ a video's frames streamed as they decode (``tensor_stream``; an MP4: ``app.http.
 Every answer that can be large goes chunked (no ``Content-Length``: Cloud Run refuses
 unchunked responses over 32 MiB): a video's, of any output type, streamed frame by frame
 with its frame count and shape in the head; a finished tensor answer over
-``CHUNKED_OVER`` bytes (a batch of images as ``pt``) in pieces of ``CHUNK_BYTES``.
+``CHUNKED_OVER`` bytes (a batch of images as ``pt``), in pieces (``Envelope``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from app.runtime import Job
 from app.telemetry.timing import PhaseTimer
 
 CHUNKED_OVER = 8 << 20  # a finished tensor answer larger than this is sent chunked
-CHUNK_BYTES = 1 << 20  # its pieces
 TENSOR_MIME = "tensor/binary"
 
 
@@ -39,11 +38,8 @@ class ChunkedBody(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         start = {"type": "http.response.start", "status": self.status_code}
         await send({**start, "headers": self.raw_headers})
-        view = memoryview(self.body)
-        for at in range(0, len(view), CHUNK_BYTES):
-            piece = bytes(view[at : at + CHUNK_BYTES])
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # one message: ``Envelope`` sends every body in pieces, each under the stall limit
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
         if self.background is not None:
             await self.background()
 

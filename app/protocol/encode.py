@@ -304,25 +304,10 @@ def _memory_is_503(read: Callable[P, R]) -> Callable[P, R]:
     return reading
 
 
-# a body declared a JPEG is refused from its bytes before Pillow opens it; any JPEG Pillow
-# opens (whatever declared) is held to the same limit by ``media_read.rgb_image``
-MAX_JPEG_SCANS = media_read.MAX_JPEG_SCANS
-SCANS_EXPECTED = f"at most {MAX_JPEG_SCANS} scans (a baseline or an encoder's progressive JPEG)"
-
-
-def _check_scans(body: bytes, kind: str) -> None:
-    """Refuse a JPEG of more than ``MAX_JPEG_SCANS`` scans before decoding it. Its start-of-
-    scan markers counted in the bytes: an upper bound, as entropy-coded data never holds
-    0xFF followed by 0xDA (a 0xFF byte there is followed by 0x00)."""
-    if kind != "jpeg":
-        return
-    scans = body.count(b"\xff\xda")  # bytes or the bytearray read: no copy
-    if scans > MAX_JPEG_SCANS:
-        raise ProtocolError(
-            422,
-            f"the JPEG has {scans} scans: decoding each costs a pass over the whole image",
-            SCANS_EXPECTED,
-        )
+# what a 422 for a JPEG past media_read.MAX_JPEG_SCANS (held by ``rgb_image``) expects
+SCANS_EXPECTED = (
+    f"at most {media_read.MAX_JPEG_SCANS} scans (a baseline or an encoder's progressive JPEG)"
+)
 
 
 @_memory_is_503
@@ -332,7 +317,6 @@ def read_image(
     """An image body -> ``[1,3,H,W]`` in [-1, 1], as ``VaeImageProcessor.preprocess`` makes
     it (RGB, 16-bit grey scaled to 8 bits; sizes rounded down to ``multiple`` with Lanczos;
     ``2 * x/255 - 1``). The size is checked from the header, before the pixels are decoded."""
-    _check_scans(body, kind)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
