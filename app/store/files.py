@@ -35,21 +35,6 @@ READABLE_FILE, READABLE_DIR = 0o444, 0o555
 PAUSE_ENV = "VAE_STORE_PAUSE_AT"
 
 
-MANIFEST = "manifest.json"
-WEIGHTS = "decoder.safetensors"
-PART_FILES = {"decoder": WEIGHTS, "encoder": "encoder.safetensors"}
-ENTRIES, LOCKS = ".entries", ".locks"
-VERSION_SEP = "@"  # never in a name, so "NAME@" prefixes only NAME's versions
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch it: "$" passes "x\n"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Whoever serves a store may not be whoever wrote it (the image bakes as root and serves as an
-# unprivileged user), and safetensors writes 0600: every entry is made world-readable.
-READABLE_FILE, READABLE_DIR = 0o444, 0o555
-# Test hook: the writer stops itself (SIGSTOP) at this named step, so a test can kill it there
-# or let it go on (SIGCONT). Steps: locked, decoder, encoder, manifest, published.
-PAUSE_ENV = "VAE_STORE_PAUSE_AT"
-
-
 class StoreError(Exception):
     """A store entry that cannot be written or loaded; the message names it."""
 
