@@ -5,8 +5,10 @@ bf16 order) reads one field with ``setting``, still as declared here."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -285,6 +287,29 @@ def setting(name: str) -> Any:
     except ValidationError as exc:  # one line naming the variable (no echo of the value)
         reason = exc.errors(include_url=False, include_input=False)[0]["msg"]
         raise ValueError(f"VAE_{name.upper()}: {reason}") from None
+
+
+# VAE_* variables that are not the server's settings: the image build's arguments
+# (scripts/build_image.sh, Dockerfile.gpu) and the store writer's test hook.
+NOT_SETTINGS = frozenset(
+    {"VAE_FAMILY", "VAE_CHECKPOINT", "VAE_NAME", "VAE_IMPORT_DTYPE", "VAE_BAKE_ONLY"}
+    | {"VAE_STORE_PAUSE_AT"}
+)
+
+
+def unknown_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """One line for each ``VAE_*`` variable no setting reads, with the setting it is closest
+    to: pydantic ignores them, so a misspelt limit would otherwise be silently the default."""
+    known = {f"VAE_{name.upper()}" for name in Settings.model_fields}
+    lines = []
+    for var in sorted(environ):
+        name = var.upper()  # pydantic-settings reads them in any case
+        if not name.startswith("VAE_") or name in known or name in NOT_SETTINGS:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(f"{var} is not a setting{hint}: ignored")
+    return lines
 
 
 def given(name: str) -> bool:

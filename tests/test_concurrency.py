@@ -122,6 +122,24 @@ def test_serve_refuses_an_inconsistent_set_in_one_line(tmp_path):
     assert "do-not-print-me" not in lines[0]
 
 
+def test_serve_names_a_misspelt_variable_and_the_setting_it_is_close_to(tmp_path):
+    """pydantic ignores a ``VAE_*`` variable no setting reads: a misspelt limit would be its
+    default in silence. The build's arguments (VAE_NAME) are not settings, and not warned."""
+    env = {**os.environ, "VAE_LOG_FORMAT": "text", "VAE_MAX_BATCHES": "2", "vae_concurency": "4",
+           "VAE_NAME": "flux1-dev", "VAE_THREADS": "-1"}  # fmt: skip
+    run = launch.run(
+        [sys.executable, "-m", "app", "serve", "--models-dir", str(tmp_path)],
+        cwd=faulty.ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert run.returncode == 2, lines
+    warned = [line for line in lines if "is not a setting" in line]
+    assert len(warned) == 2, lines
+    assert "VAE_MAX_BATCHES is not a setting (did you mean VAE_MAX_BATCH?)" in "".join(warned)
+    assert "vae_concurency is not a setting (did you mean VAE_CONCURRENCY?)" in "".join(warned)
+    assert "refusing to start: VAE_THREADS: " in lines[-1], lines
+
+
 def test_the_manifest_declares_its_concurrency_and_every_limit_follows():
     concurrency, env = manifest()
     assert env["VAE_CONCURRENCY"] == str(concurrency)

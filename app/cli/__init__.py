@@ -121,8 +121,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from app.config import Settings
+    from app.config import Settings, unknown_variables
 
+    for line in unknown_variables():
+        logging.getLogger("app.cli").warning(line)
     try:
         settings = Settings(models_dir=Path(args.models_dir))
         port = args.port if args.port is not None else _port(os.environ.get("PORT", "8080"))

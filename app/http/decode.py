@@ -120,4 +120,5 @@ def resolve_model(
         raise ProtocolError(503, f"model {name!r} is still loading")
     if name in runtime.errors:
         raise ProtocolError(503, f"model {name!r} is not served: {runtime.errors[name]}")
-    raise ProtocolError(404, f"model {name!r} not found", ", ".join(sorted(runtime.models)))
+    what = f"model {name!r}" if path or query else f"VAE_DEFAULT_MODEL's model {name!r}"
+    raise ProtocolError(404, f"{what} not found", ", ".join(sorted(runtime.models)))

@@ -93,6 +93,19 @@ class Registry:
                     log.error("model %s not served: %s", name, exc)
                     continue
                 self._load_encoder(store, name, entry.manifest)
+        self._check_default()
+
+    def _check_default(self) -> None:
+        """A ``VAE_DEFAULT_MODEL`` that names no configured entry is said at startup (requests
+        that name no model are then a 404), not only to the first such request."""
+        name = self.settings.default_model
+        if name is not None and name not in self.states:
+            log.warning(
+                "VAE_DEFAULT_MODEL=%s names no model this service loads (%s): a request that "
+                "names no model gets a 404",
+                name,
+                ", ".join(self.states) or "none",
+            )
 
     def _load_encoder(self, store: Path, name: str, manifest: Manifest) -> None:
         """The entry's encoder, through the same steps (``VAE_SERVE_ENCODERS=false``: none)."""
@@ -160,6 +173,7 @@ class Registry:
                 chosen = self._gate(entry, upgrade=True)
                 chosen.compiled = served[entry.name].compiled
                 served[entry.name] = chosen
+                self._publish(entry, chosen)  # "done" once the winner serves, not before
             except Exception as exc:  # the exact path keeps serving
                 entry.state.selection = f"failed: {exc}"
                 log.error(
@@ -209,9 +223,14 @@ class Registry:
             )
         served = self._served(entry, chosen)
         served.load_seconds = state.elapsed()
-        state.selection = "done"
-        self._export(entry, served.gate.cosine, served.fallback)
+        if not upgrade:  # an upgrade is published by select_pending, once swapped in
+            self._publish(entry, served)
         return served
+
+    def _publish(self, entry: _Entry, served: ServedPart) -> None:
+        """The part's selection done (``/models``) and its metrics, once it is the one served."""
+        entry.state.selection = "done"
+        self._export(entry, served.gate.cosine, served.fallback)
 
     def _served(self, entry: _Entry, chosen: selection.Selection) -> ServedPart:
         candidate, min_cos = chosen.chosen, self.settings.parity_min_cos
