@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shlex
 import struct
 import subprocess
 import sys
 import tempfile
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -295,6 +297,47 @@ def test_decoding_stops_at_the_limit_and_holds_each_frame_to_the_probe(clip, tmp
     assert info.value.status == 413
     with pytest.raises(MediaError, match="a frame is 96x64, its stream says 32x32"):
         next(mp4_frames(path, VideoInfo(32, 32, 9)))
+
+
+def test_a_decoder_that_stalls_is_ended_and_the_mp4_refused(tmp_path, monkeypatch):
+    """A frame ffmpeg never delivers (a decoder deadlocked: seen once when its memory cap
+    refused it a thread) would block the worker reading it, and every request behind it:
+    after FRAME_TIMEOUT_S of waiting for one frame, ffmpeg is ended and the MP4 refused."""
+    import imageio_ffmpeg
+
+    from app.media import read as media_read
+
+    pid = tmp_path / "pid"
+    stalls = tmp_path / "ffmpeg"  # a frame's header and 20 of its 48 bytes, then nothing
+    stalls.write_text(f"#!/bin/sh\necho $$ > {pid}\nprintf 'P6\\n4 4\\n255\\n'\n"
+                      "head -c 20 /dev/zero\nexec sleep 120\n")  # fmt: skip
+    stalls.chmod(0o755)
+    monkeypatch.setattr(imageio_ffmpeg, "get_ffmpeg_exe", lambda: str(stalls))
+    monkeypatch.setattr(media_read, "FRAME_TIMEOUT_S", 0.5)
+    frames = media_read.mp4_frames(tmp_path / "clip.mp4", media_read.VideoInfo(4, 4, 1))
+    started = time.monotonic()
+    with pytest.raises(media_read.MediaError, match="a frame took more than 0.5 s") as refused:
+        next(frames)
+    assert refused.value.status == 400 and time.monotonic() - started < 10
+    with pytest.raises(ProcessLookupError):  # ended, and reaped
+        os.kill(int(pid.read_text()), 0)
+
+
+def test_a_reader_that_holds_each_frame_longer_than_the_frame_timeout_gets_them_all(
+    clip, tmp_path, monkeypatch
+):
+    """Only the wait for a frame counts: an encoder computing on its window leaves ffmpeg
+    blocked on a full pipe, and that is no stall."""
+    from app.media import read as media_read
+
+    monkeypatch.setattr(media_read, "FRAME_TIMEOUT_S", 0.3)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(clip)
+    got = []
+    for frame in media_read.mp4_frames(path, media_read.VideoInfo(96, 64, 9)):
+        got.append(frame)
+        time.sleep(0.5)
+    np.testing.assert_array_equal(np.stack(got), imageio_frames(clip))
 
 
 @pytest.mark.parametrize("read", ["image", "mp4"])

@@ -21,6 +21,7 @@ import os
 import re
 import subprocess
 import tempfile
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,10 @@ MP4_DEMUXERS = "mov,mp4,m4a,3gp,3g2,mj2"  # ffmpeg's one ISO-BMFF demuxer, all i
 VIDEO_DECODERS = "h264,hevc,mpeg4,vp8,vp9,av1,libdav1d,mjpeg"
 NOT_AN_MP4 = "not a readable MP4 (H.264/HEVC/VP9/AV1 video in an MP4 container)"
 PROBE_TIMEOUT_S = 60.0  # copying packets is fast: only a hostile index takes this long
+# the most one frame may take to come out of ffmpeg once asked for: a 2048x2048 frame takes a
+# fraction of a second; a stalled decoder (one deadlocked when its memory cap refused it a
+# thread) would block the worker that reads it, and every request behind it
+FRAME_TIMEOUT_S = 30.0
 MAX_PROBE_LOG = 1 << 20  # of ffmpeg's stream listing; its metadata comes first and can be huge
 LOG_TAIL = 4096  # of ffmpeg's stderr, where its last line is
 MAX_ALLOC = 64 << 20  # ffmpeg's largest single allocation (-max_alloc), at least
@@ -305,7 +310,7 @@ def mp4_frames(
         proc = subprocess.Popen(_bounded(command, memory), stdout=subprocess.PIPE, stderr=log)
         try:
             assert proc.stdout is not None
-            yield from _ppm_frames(proc.stdout, info, max_frames)
+            yield from _within(_ppm_frames(proc.stdout, info, max_frames), proc)
             if proc.wait() != 0:
                 raise _failure(log, path, memory)
         finally:
@@ -313,6 +318,34 @@ def mp4_frames(
                 proc.kill()
             proc.wait()
             proc.stdout.close()
+
+
+def _within(frames: Iterator[np.ndarray], proc: subprocess.Popen) -> Iterator[np.ndarray]:
+    """``frames``, each within ``FRAME_TIMEOUT_S`` of asking for it, else ffmpeg is ended and
+    the MP4 refused. Only the wait counts: while the caller holds a frame, ffmpeg waits on a
+    full pipe, and that is no stall."""
+    stalled = threading.Event()
+
+    def end() -> None:
+        stalled.set()
+        proc.kill()
+
+    while True:
+        timer = threading.Timer(FRAME_TIMEOUT_S, end)
+        timer.start()
+        try:
+            frame = next(frames, None)
+        except MediaError:
+            if not stalled.is_set():
+                raise
+            frame = None  # its output cut short by the kill
+        finally:
+            timer.cancel()
+        if stalled.is_set():
+            raise _unreadable(f"a frame took more than {FRAME_TIMEOUT_S:g} s to decode")
+        if frame is None:
+            return
+        yield frame
 
 
 def _bounded(command: list[str], memory: int) -> list[str]:
