@@ -164,7 +164,12 @@ def test_taef2_real_photo_round_trip(taef2, photo) -> None:
     x = F.pad(x, (0, -w % 8, 0, -h % 8), mode="replicate")
     z = encoder.encode(x)
     y = decoder.decode(z)[..., :h, :w]
+    assert z.shape[1:] == (32, x.shape[-2] // 8, x.shape[-1] // 8)
+    # TAEF2 works in FLUX.2's normalized latent space: roughly zero-mean, unit-scale.
+    assert abs(z.mean()) < 0.2 and 0.5 < z.std() < 1.5
+    assert decoder.output_space == "unit"  # [0, 1] up to a small overshoot, before clamping
+    assert -0.2 < y.min() and y.max() < 1.2
     out = (decoder.to_unit(y) * 255).round().to(torch.uint8)[0].permute(1, 2, 0).numpy()
     score = psnr(out, img)
-    print(f"{photo} {w}x{h}: TAEF2 round trip PSNR {score:.2f} dB")
+    print(f"{photo} {w}x{h}: TAEF2 round trip PSNR {score:.2f} dB, latent std {z.std():.3f}")
     assert score >= 28.0
