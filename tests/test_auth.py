@@ -39,6 +39,33 @@ def test_bearer_tokens_guard_everything_but_health(tmp_path):
         assert c.get("/models", headers={"Authorization": header}).status_code == 200, header
 
 
+def test_readyz_says_what_failed_only_to_a_caller_with_a_token(tmp_path):
+    """A probe needs no token, and gets the status and a reason; the models, their errors
+    (here the empty store's path) and states only with one, or where no token is configured."""
+    from fastapi.testclient import TestClient
+
+    from app.config import Settings
+    from app.http import create_app
+
+    def loaded(**settings) -> TestClient:
+        app = create_app(Settings(models_dir=tmp_path, **settings), load_in_background=False)
+        return TestClient(app)
+
+    with loaded(api_tokens="alpha") as c:
+        for header in (None, "Bearer gamma"):
+            anonymous = c.get("/readyz", headers={"Authorization": header} if header else {})
+            body = anonymous.json()
+            assert anonymous.status_code == 503 and body["reason"] == "a model is not served"
+            assert str(tmp_path) not in anonymous.text, anonymous.text
+            assert not {"models", "errors", "states"} & set(body), body
+        detailed = c.get("/readyz", headers={"Authorization": "Bearer alpha"})
+    with loaded() as c:
+        untokened = c.get("/readyz")
+    for r in (detailed, untokened):
+        assert r.status_code == 503 and str(tmp_path) in r.json()["reason"], r.text
+        assert {"models", "errors", "states"} <= set(r.json()), r.text
+
+
 def test_metrics_can_be_protected(tmp_path):
     c = client(tmp_path, api_tokens="alpha", protect_metrics=True)
     assert c.get("/metrics").status_code == 401

@@ -15,7 +15,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.http.docs import DOCS_PATHS
 
-# probes, and the page for people (app/http/page.py: static; the calls it makes need a token)
 # the probes; the page and the API's description (static: every call they make needs the token)
 OPEN_PATHS = frozenset(
     {"/healthz", "/readyz", "/", "/page/page.js", "/page/page.css", "/page/icon.svg"}
@@ -26,7 +25,8 @@ REALM = "vae"
 
 
 class BearerAuth:
-    """Requires ``Authorization: Bearer <token>`` on every route but the open ones."""
+    """Requires ``Authorization: Bearer <token>`` on every route but the open ones, and tells
+    those whether one came (``request.state.authorized``)."""
 
     def __init__(self, app: ASGIApp, tokens: list[str], protect_metrics: bool = False) -> None:
         self.app = app
@@ -34,10 +34,14 @@ class BearerAuth:
         self._open = OPEN_PATHS if protect_metrics else OPEN_PATHS | {"/metrics"}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._digests or scope["path"] in self._open:
+        if scope["type"] != "http" or not self._digests:
             return await self.app(scope, receive, send)
         presented = _bearer(scope)
-        if presented is not None and self._matches(presented):
+        authorized = presented is not None and self._matches(presented)
+        if scope["path"] in self._open:  # an open route may say more to a caller with a token
+            scope.setdefault("state", {})["authorized"] = authorized
+            return await self.app(scope, receive, send)
+        if authorized:
             return await self.app(scope, receive, send)
         await _refusal(presented)(scope, receive, send)
 

@@ -644,13 +644,16 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
     "Readiness": {
         "type": "object",
-        "required": ["ready", "models", "errors", "states"],
+        "description": "models, errors and states: where VAE_API_TOKENS is set, to a caller "
+        "with a token only (a probe needs none; the others get details instead)",
+        "required": ["ready"],
         "properties": {
             "ready": {"type": "boolean"},
             "models": {"type": "array", "items": {"type": "string"}},
             "errors": {"type": "object", "additionalProperties": {"type": "string"}},
             "states": {"type": "object", "additionalProperties": ref("ModelState")},
             "reason": {"type": "string", "description": "why not ready (503 only)"},
+            "details": {"type": "string", "description": "how to get the rest"},
         },
         "additionalProperties": False,
     },

@@ -28,12 +28,19 @@ def install_routes(app: FastAPI, serving: Serving) -> None:
 
     @app.get("/readyz", summary="200 once every model is resident and gated")
     @app.head("/readyz", include_in_schema=False)
-    async def readyz() -> JSONResponse:
+    async def readyz(request: Request) -> JSONResponse:
         ready = runtime.ready and not serving.drain.draining
-        body = {"ready": ready, "models": sorted(runtime.models), "errors": runtime.errors}
-        body["states"] = runtime.registry.describe_states()  # loading/gating/ready/failed
+        body: dict[str, Any] = {"ready": ready}
+        # a probe needs no token; what is loaded, and why one failed (store paths, the
+        # device's error), only a caller with one (VAE_API_TOKENS)
+        detailed = getattr(request.state, "authorized", True)
+        if detailed:
+            body |= {"models": sorted(runtime.models), "errors": runtime.errors}
+            body["states"] = runtime.registry.describe_states()  # loading/gating/ready/failed
+        else:
+            body["details"] = "models, errors and states with Authorization: Bearer <token>"
         if not ready:
-            body["reason"] = _not_ready(serving)
+            body["reason"] = _not_ready(serving, detailed)
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/models", summary="Each model: family, config, device, dtype, parity, fallback")
@@ -82,16 +89,18 @@ def _described(name: str, model: dict[str, Any], runtime: Runtime) -> dict[str, 
     return {**model, "encoder": encoder}
 
 
-def _not_ready(serving: Serving) -> str:
+def _not_ready(serving: Serving, detailed: bool = True) -> str:
     runtime = serving.runtime
     if serving.drain.draining:
         return "draining: the service is shutting down"
     if runtime.loading:
         return "loading models and running parity gates"
     if runtime.device_lost:
-        return f"device lost: {runtime.device_lost}"
+        return f"device lost: {runtime.device_lost}" if detailed else "device lost"
     if runtime.worker_died:
         return "the decode worker has stopped"
+    if runtime.errors and not detailed:
+        return "a model is not served"
     if runtime.errors:
         return "; ".join(f"{k}: {v}" for k, v in runtime.errors.items())
     return "no model"
