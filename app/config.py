@@ -108,8 +108,8 @@ class Settings(BaseSettings):
     bodies_mb: int = Field(
         1024,
         ge=1,
-        description="what requests hold at once, all requests together: a body reserved "
-        "before it is read (by its Content-Length; a chunked one as it grows), then what it "
+        description="what requests hold at once, all requests together: a body as it "
+        "arrives (its Content-Length claimed before, while it arrives on pace), then what it "
         "was parsed into (a latent, pixels) and the most its whole answer can be, then that "
         "answer until it is sent; else 429, or 413 for one larger than this",
     )

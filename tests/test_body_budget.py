@@ -186,8 +186,10 @@ def test_concurrent_large_bodies_stay_in_the_budget_and_memory_returns(wide_stor
 
 def test_a_body_declared_and_not_sent_costs_no_memory(wide_store, tmp_path):
     """Memory follows the bytes a body sends, not the length it declares: three requests that
-    declare 100 MiB each and send nothing hold their room in the budget (a fourth: 429), but
-    the server's resident set does not grow by their 300 MiB."""
+    declare 100 MiB each and send nothing claim their room in the budget (a fourth: 429), but
+    the server's resident set does not grow by their 300 MiB; and their claims lapse once they
+    fall behind the pace of their body timeout (a fourth is then admitted while they still
+    hold their connections: headers alone do not keep others out)."""
     env = {"VAE_MODELS": "faulty-wide", "VAE_MAX_BODY_MB": "128", "VAE_BODIES_MB": "320",
            "VAE_MAX_PIXELS": str(SHAPE[-1] * SHAPE[-2])}  # fmt: skip
     target = f"/decode/faulty-wide?shape={list(SHAPE)}&output_type=pt".replace(" ", "")
@@ -215,7 +217,11 @@ def test_a_body_declared_and_not_sent_costs_no_memory(wide_store, tmp_path):
 
         faulty.wait_for("the three holding the budget", refused, 30)
         grown = faulty.rss_bytes(proc.pid) - before
-        for sock in held:
+        faulty.wait_for("their claims lapsed", lambda: not refused(), 30)
+        for sock in held:  # still open, still waiting for their bodies: no answer yet
+            sock.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                sock.recv(1)
             sock.close()
     assert grown < 64 * MIB, f"{grown / MIB:.0f} MiB for 300 MiB declared, none sent"
 
@@ -285,6 +291,52 @@ def test_the_budget_refuses_429_now_and_413_outright_before_the_read():
         other.release()
         _, body = await read(app, 400, [b"x" * 400, None])
         assert len(body) == 400 and app.state.bodies.held == 400
+
+    asyncio.run(main())
+
+
+def test_a_claim_lapses_once_its_body_falls_behind_its_pace(monkeypatch):
+    """A declared body claims its room before its bytes come, and keeps the claim while it
+    arrives at the pace that ends it within its timeout (after a grace): one that sends
+    nothing, or drips, keeps only what it sent, so it cannot keep others out; what it sends
+    later is held as it arrives, within the budget."""
+    from app.http import handling
+
+    monkeypatch.setattr(handling, "CLAIM_GRACE_S", 0.2)
+
+    async def pending(app, length: int) -> tuple[asyncio.Queue, asyncio.Future]:
+        chunks: asyncio.Queue = asyncio.Queue()
+        request = fake_request(app, length, chunks)
+        reading = asyncio.ensure_future(handling.read_body(request, 1 << 30, timeout_s=5))
+        await asyncio.sleep(0.05)
+        return chunks, reading
+
+    async def main() -> None:
+        app = service(1000)
+        budget = app.state.bodies
+        chunks, reading = await pending(app, 600)
+        assert budget.claimed == 600 and budget.held == 0  # claimed before any byte
+        with pytest.raises(ProtocolError) as now:
+            await read(app, 500, [b"x" * 500, None])
+        assert now.value.status == 429
+        await asyncio.sleep(0.3)  # no byte within the grace: the claim lapses
+        assert budget.claimed == 0 and budget.held == 0 and not reading.done()
+        other, _ = await read(app, 500, [b"x" * 500, None])  # admitted now
+        chunks.put_nowait(b"y" * 400)  # the lapsed body's bytes: held as they come
+        await asyncio.sleep(0.05)
+        assert budget.held == 900 and not reading.done()
+        chunks.put_nowait(b"y" * 200)  # past the budget: 429, mid-body
+        with pytest.raises(ProtocolError) as full:
+            await reading
+        assert full.value.status == 429
+        other.state.body_lease.release()
+
+        dripping, reading = await pending(app, 600)  # a byte every 50 ms: behind its pace
+        for _ in range(10):
+            dripping.put_nowait(b"z")
+            await asyncio.sleep(0.05)
+        assert budget.claimed == 0 and not reading.done()
+        reading.cancel()
 
     asyncio.run(main())
 
