@@ -331,6 +331,8 @@ def test_a_claim_lapses_once_its_body_falls_behind_its_pace(monkeypatch):
         assert full.value.status == 429
         other.state.body_lease.release()
 
+        request, empty = await read(app, 0, [None])  # a declared empty body: nothing to claim
+        assert empty == b"" and request.state.body_lease.claimed == 0
         dripping, reading = await pending(app, 600)  # a byte every 50 ms: behind its pace
         for _ in range(10):
             dripping.put_nowait(b"z")

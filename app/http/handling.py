@@ -340,9 +340,10 @@ async def _receive_declared(
     started = time.monotonic()
     chunks = request.stream()
     while True:
-        pace = started + CLAIM_GRACE_S + len(body) * timeout_s / size
-        chunk = await _on_pace(anext(chunks, b""), pace, lease) if lease.claimed else None
-        if chunk is None:
+        if lease.claimed:  # then size > 0
+            pace = started + CLAIM_GRACE_S + len(body) * timeout_s / size
+            chunk = await _on_pace(anext(chunks, b""), pace, lease)
+        else:
             chunk = await anext(chunks, b"")  # b"": the end, as Starlette's
         if not chunk:
             break
