@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -108,15 +109,20 @@ def test_values_from_the_environment_count_as_explicit(monkeypatch):
     assert Settings().streams_max == 16
 
 
+def serve_refusal(store: Path, env: dict[str, str]) -> tuple[int, list[str]]:
+    """``python -m app serve`` run with ``env`` until it exits: its status and output lines."""
+    run = launch.run(
+        [sys.executable, "-m", "app", "serve", "--models-dir", str(store)],
+        cwd=faulty.ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    return run.returncode, (run.stdout + run.stderr).strip().splitlines()
+
+
 def test_serve_refuses_an_inconsistent_set_in_one_line(tmp_path):
     env = {**os.environ, "VAE_CONCURRENCY": "16", "VAE_STREAMS_MAX": "8",
            "VAE_API_TOKENS": "do-not-print-me", "VAE_LOG_FORMAT": "text"}  # fmt: skip
-    run = launch.run(
-        [sys.executable, "-m", "app", "serve", "--models-dir", str(tmp_path)],
-        cwd=faulty.ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    lines = (run.stdout + run.stderr).strip().splitlines()
-    assert run.returncode == 2, lines
+    code, lines = serve_refusal(tmp_path, env)
+    assert code == 2, lines
     assert len(lines) == 1, lines  # no traceback, no pydantic banner
     assert "refusing to start: VAE_STREAMS_MAX=8 < VAE_CONCURRENCY=16" in lines[0]
     assert "do-not-print-me" not in lines[0]
@@ -127,12 +133,8 @@ def test_serve_names_a_misspelt_variable_and_the_setting_it_is_close_to(tmp_path
     default in silence. The build's arguments (VAE_NAME) are not settings, and not warned."""
     env = {**os.environ, "VAE_LOG_FORMAT": "text", "VAE_MAX_BATCHES": "2", "vae_concurency": "4",
            "VAE_NAME": "flux1-dev", "VAE_THREADS": "-1"}  # fmt: skip
-    run = launch.run(
-        [sys.executable, "-m", "app", "serve", "--models-dir", str(tmp_path)],
-        cwd=faulty.ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    lines = (run.stdout + run.stderr).strip().splitlines()
-    assert run.returncode == 2, lines
+    code, lines = serve_refusal(tmp_path, env)
+    assert code == 2, lines
     warned = [line for line in lines if "is not a setting" in line]
     assert len(warned) == 2, lines
     assert "VAE_MAX_BATCHES is not a setting (did you mean VAE_MAX_BATCH?)" in "".join(warned)
@@ -277,10 +279,6 @@ def test_serve_refuses_a_bad_value_in_one_line_naming_its_variable(tmp_path, var
     """Not a traceback at startup, nor a value taken silently that fails later (a warm-up
     shape that killed the loader thread while /readyz turned 200)."""
     env = {**os.environ, "VAE_LOG_FORMAT": "text", variable: value}
-    run = launch.run(
-        [sys.executable, "-m", "app", "serve", "--models-dir", str(tmp_path)],
-        cwd=faulty.ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    lines = (run.stdout + run.stderr).strip().splitlines()
-    assert run.returncode == 2 and len(lines) == 1, lines
+    code, lines = serve_refusal(tmp_path, env)
+    assert code == 2 and len(lines) == 1, lines
     assert f"refusing to start: {variable}: " in lines[0], lines
