@@ -245,14 +245,14 @@ def fake_request(app: SimpleNamespace, length: int | None, chunks: asyncio.Queue
 
 
 def service(budget: int):
+    from app.http.budget import BodyBudget
     from app.http.drain import Drain
-    from app.http.handling import BodyBudget
 
     return SimpleNamespace(state=SimpleNamespace(bodies=BodyBudget(budget), drain=Drain(8.0)))
 
 
 async def read(app, length: int | None, parts: list[bytes | None], limit: int = 1 << 30):
-    from app.http.handling import read_body
+    from app.http.body import read_body
 
     chunks: asyncio.Queue = asyncio.Queue()
     for part in parts:
@@ -275,7 +275,7 @@ def test_a_declared_body_is_read_into_one_buffer_and_holds_the_budget_until_rele
 
 
 def test_the_budget_refuses_429_now_and_413_outright_before_the_read():
-    from app.http.handling import BodyLease
+    from app.http.budget import BodyLease
 
     async def main() -> None:
         app = service(1000)
@@ -300,14 +300,14 @@ def test_a_claim_lapses_once_its_body_falls_behind_its_pace(monkeypatch):
     arrives at the pace that ends it within its timeout (after a grace): one that sends
     nothing, or drips, keeps only what it sent, so it cannot keep others out; what it sends
     later is held as it arrives, within the budget."""
-    from app.http import handling
+    from app.http import body
 
-    monkeypatch.setattr(handling, "CLAIM_GRACE_S", 0.2)
+    monkeypatch.setattr(body, "CLAIM_GRACE_S", 0.2)
 
     async def pending(app, length: int) -> tuple[asyncio.Queue, asyncio.Future]:
         chunks: asyncio.Queue = asyncio.Queue()
         request = fake_request(app, length, chunks)
-        reading = asyncio.ensure_future(handling.read_body(request, 1 << 30, timeout_s=5))
+        reading = asyncio.ensure_future(body.read_body(request, 1 << 30, timeout_s=5))
         await asyncio.sleep(0.05)
         return chunks, reading
 
@@ -344,7 +344,8 @@ def test_a_claim_lapses_once_its_body_falls_behind_its_pace(monkeypatch):
 
 
 def test_a_parsed_input_is_held_in_the_budget_grown_or_shrunk_to_its_size():
-    from app.http.handling import BodyLease, hold
+    from app.http.body import hold
+    from app.http.budget import BodyLease
 
     async def main() -> None:
         app = service(1000)
@@ -479,7 +480,7 @@ def _read_until_closed(sock: socket.socket) -> int:
 
 
 def test_a_chunked_body_takes_the_budget_as_it_grows():
-    from app.http.handling import BodyLease
+    from app.http.budget import BodyLease
 
     async def main() -> None:
         app = service(1000)
@@ -497,7 +498,7 @@ def test_a_chunked_body_takes_the_budget_as_it_grows():
 
 
 def test_a_budget_never_holds_more_than_its_limit_under_contention():
-    from app.http.handling import BodyBudget, BodyLease
+    from app.http.budget import BodyBudget, BodyLease
 
     budget, seen = BodyBudget(10_000), []
 
@@ -526,7 +527,7 @@ def test_a_body_still_arriving_when_the_drain_begins_is_refused_503_at_once():
         app = service(1 << 20)
         chunks: asyncio.Queue = asyncio.Queue()
         chunks.put_nowait(b"x" * 100)  # then nothing more arrives
-        from app.http.handling import read_body
+        from app.http.body import read_body
 
         request = fake_request(app, 1000, chunks)
         reading = asyncio.ensure_future(read_body(request, 1 << 20, timeout_s=60))

@@ -79,7 +79,7 @@ def test_the_413_of_an_encode_and_on_cloud_run(tmp_path):
     from starlette.requests import Request
 
     from app.config import Settings
-    from app.http.handling import body_too_large
+    from app.http.body import body_too_large
 
     def refusal(path: str, **settings) -> dict:
         app = type("App", (), {})()

@@ -17,10 +17,10 @@ from fastapi import FastAPI
 
 from app.config import Settings
 from app.http.auth import BearerAuth
+from app.http.budget import BodyBudget
 from app.http.drain import STOP_S, Drain, route_sigterm
 from app.http.envelope import Envelope
 from app.http.errors import install_error_handlers
-from app.http.handling import BodyBudget
 from app.http.routes import install_routes
 from app.http.serving import Serving
 from app.runtime import Runtime

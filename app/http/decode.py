@@ -12,8 +12,9 @@ import asyncio
 
 from fastapi import Request, Response
 
+from app.http.body import hold, read_body
 from app.http.errors import runtime_error
-from app.http.handling import deadline, handled, hold, outcome, read_body
+from app.http.handling import deadline, handled, outcome
 from app.http.mp4 import mp4_response
 from app.http.preview import format_of, preview_response
 from app.http.responses import (

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 from fastapi import Request, Response
 
+from app.http.body import hold, read_body
 from app.http.decode import resolve_model
 from app.http.errors import runtime_error
-from app.http.handling import deadline, handled, hold, outcome, read_body
+from app.http.handling import deadline, handled, outcome
 from app.http.serving import Serving
 from app.media import write
 from app.media.read import Mp4Clip
