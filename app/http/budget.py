@@ -90,14 +90,13 @@ class BodyLease:
         """Hold at least ``size`` bytes: 429 when the budget cannot hold them now, 413 when it
         never could."""
         more = size - self.held
-        if more > 0 and not self.budget.take(self._fits(size, more)):
-            raise self._full(size)
+        if more > 0:
+            self._take(size, more, claim=False)
         self.held = max(self.held, size)
 
     def claim(self, size: int) -> None:
         """Claim a declared body's ``size`` bytes before they arrive (429, 413 as ``cover``)."""
-        if not self.budget.take(self._fits(size, size), claim=True):
-            raise self._full(size)
+        self._take(size, size, claim=True)
         self.claimed = size
 
     def arrived(self, size: int) -> None:
@@ -116,22 +115,23 @@ class BodyLease:
         if claimed:
             self.budget.give(claimed, claimed=True)
 
-    def _fits(self, size: int, more: int) -> int:
-        if size > self.budget.limit:
+    def _take(self, size: int, more: int, claim: bool) -> None:
+        """``more`` bytes of the budget (toward a request that would hold ``size``): 413 when
+        it never could hold ``size``, 429 when they do not fit now."""
+        limit = self.budget.limit
+        if size > limit:
             raise ProtocolError(
                 413,
-                f"this request would hold {size} bytes, over the {self.budget.limit >> 20} MiB "
-                "budget of what requests hold at once (VAE_BODIES_MB)",
+                f"this request would hold {size} bytes, over the {limit >> 20} MiB budget of "
+                "what requests hold at once (VAE_BODIES_MB)",
             )
-        return more
-
-    def _full(self, size: int) -> ProtocolError:
-        return ProtocolError(
-            429,
-            f"what requests hold fills the budget ({self.budget.limit >> 20} MiB, "
-            f"VAE_BODIES_MB): this one's {size} bytes do not fit now",
-            "retry after Retry-After seconds",
-        )
+        if not self.budget.take(more, claim):
+            raise ProtocolError(
+                429,
+                f"what requests hold fills the budget ({limit >> 20} MiB, VAE_BODIES_MB): this "
+                f"one's {size} bytes do not fit now",
+                "retry after Retry-After seconds",
+            )
 
     def hold(self, size: int) -> None:
         """Hold exactly ``size`` bytes: more as ``cover`` takes them, less given back."""
