@@ -131,3 +131,22 @@ def _fresh_faulty_records() -> None:
         with faulty._lock:
             faulty.DECODED.clear()
             faulty.BATCHES.clear()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The machine the run had, last (a CI log keeps the end of the output: a slow run there
+    says which CPU and how loaded). Reported, never read by a test."""
+    import resource
+
+    cpu = open("/proc/cpuinfo").read()
+    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
+                  if line.startswith("model name")), "unknown")  # fmt: skip
+    flags = set(cpu.split())
+    simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu_s = sum(u.ru_utime + u.ru_stime for u in used)
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    terminalreporter.write_line(
+        f"machine: {model}, {os.cpu_count()} cores, {' '.join(simd) or 'no avx2'}; "
+        f"load average {load}; this run's CPU {cpu_s:.0f} s (its processes, reaped ones)"
+    )

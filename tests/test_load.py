@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 import re
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -236,18 +238,18 @@ def test_a_storm_of_good_and_hostile_requests_loses_nothing(store, tmp_path):
         burst(url, 16, 1)  # warm
         baseline = faulty.rss_bytes(proc.pid)
         threads = [threading.Thread(target=client, args=(k, calls)) for k in range(clients)]
+        prober = subprocess.Popen(
+            [sys.executable, "-m", "tests.healthz_probe", url],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
         t0 = time.perf_counter()
         for t in threads:
             t.start()
-        probes = []
-        while any(t.is_alive() for t in threads) and time.perf_counter() - t0 < 120:
-            p0 = time.perf_counter()
-            requests.get(f"{url}/healthz", timeout=10)
-            probes.append(time.perf_counter() - p0)
-            time.sleep(0.2)
         for t in threads:
-            t.join(60)
+            t.join(120)
         wall = time.perf_counter() - t0
+        probed, _ = prober.communicate("", timeout=60)  # a probe of more than 30 s fails it
+        probes = [float(seconds) for seconds in probed.split()]
         time.sleep(1.0)
         after = faulty.rss_bytes(proc.pid)
         on_server = server_codes(url)
@@ -262,9 +264,10 @@ def test_a_storm_of_good_and_hostile_requests_loses_nothing(store, tmp_path):
     for name, codes in got.items():
         assert set(codes) <= calls[name][0], (name, codes)
     assert not [c for c in on_server if c.startswith("5") and c != "503"], on_server
-    # the loop is never blocked for long (a parse on it stalled /healthz 10 s), and is quick
-    # as a rule; one probe of 2.4 s was seen on a machine at load 9 (four test workers, the
-    # storm, and other suites on 2 cores), so the bound on the slowest is not tighter
+    # the loop is quick as a rule: a kind of call that blocked it (a parse on it stalled
+    # /healthz 10 s: test_http holds that one) would slow the probes all through the storm.
+    # The slowest is the first, queued behind the 32 clients' first calls: 0.2-0.8 s on a
+    # quiet machine, 5.3 s on a CI machine running the suite 3.7x slower than usual.
     median = sorted(probes)[len(probes) // 2]
-    assert max(probes) < 5.0 and median < 0.5, (max(probes), median)
+    assert prober.returncode == 0 and median < 0.5 and max(probes) < 15.0, (probes, median)
     assert after < baseline * 1.25 + (64 << 20), (baseline, after)
