@@ -235,13 +235,15 @@ def serve_process(
     faulty_family: bool = False,
     root: Path = ROOT,
     fork: bool = True,
+    loop_cpu_log: Path | None = None,
     **env: str,
 ) -> Iterator[tuple[str, launch.Process]]:
     """``python -m app serve`` on a loopback port, one torch thread; yields (url, process)
     once /readyz answers 200. Its output goes to ``log`` (a pipe could fill and block it).
     ``faulty_family``: the same CLI with the ``faulty`` family known (tests/faulty_serve.py);
     ``root``: the checkout whose ``app`` serves (a test's modified copy); ``fork``: False
-    starts a fresh interpreter (tests/launch.py)."""
+    starts a fresh interpreter (tests/launch.py); ``loop_cpu_log``: the event loop's long
+    callbacks are logged there (tests/loop_cpu.py)."""
     port = free_port()
     environ = {
         **os.environ,
@@ -254,6 +256,8 @@ def serve_process(
     if environ.get("VAE_DTYPE", "auto") == "auto":
         order.note()  # the server reads the candidate order (tests/order.py)
     module = "tests.faulty_serve" if faulty_family else "app"
+    if loop_cpu_log is not None:
+        module, environ["LOOP_CPU_LOG"] = "tests.loop_cpu", str(loop_cpu_log)
     cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:
         proc = launch.popen(
