@@ -276,13 +276,13 @@ def test_a_storm_of_good_and_hostile_requests_loses_nothing(store, tmp_path):
     assert not [c for c in on_server if c.startswith("5") and c != "503"], on_server
     # the loop is quick as a rule: a kind of call that blocked it (a parse on it stalled
     # /healthz 10 s: test_http holds that one) would slow the probes all through the storm.
-    # The slowest is the first, queued behind the 32 clients' first calls: 35-160 ms on a
-    # quiet 2-core machine (0.3-0.8 s before the freeze below), and 5.3 s was seen on a CI
+    # The slowest is the first, queued behind the 32 clients' first calls: 35-80 ms on a
+    # quiet 2-core machine (0.2-0.8 s before the freeze below), and 5.3 s was seen on a CI
     # machine that ran the suite 3.7x slower than usual.
     median = sorted(probes)[len(probes) // 2]
     assert prober.returncode == 0 and median < 0.5 and max(probes) < 15.0, (probes, median)
     # and in CPU time, which a loaded machine does not stretch: no callback of the loop's
-    # holds it long, a full garbage collection's included (what loading left took 130 ms of
-    # it on a 2-core Xeon before the service froze that: app/http/__init__._load)
+    # holds it long, a full garbage collection's included (one took 130 ms of it on a 2-core
+    # Xeon before the service froze what its imports made: README, "The collector")
     assert not [c for c in on_loop if c["cpu_s"] > LOOP_CPU_S], on_loop
     assert after < baseline * 1.25 + (64 << 20), (baseline, after)

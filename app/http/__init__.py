@@ -42,18 +42,16 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
             torch.set_num_threads(settings.threads)
         runtime.start()
         restore = route_sigterm(drain)
-        owns_process = threading.current_thread() is threading.main_thread()  # not a test's
-        if owns_process:
+        if threading.current_thread() is threading.main_thread():  # a process of its own
+            _freeze_startup_objects()
             # a sticky device error: drain (queued requests get 503) and exit, so the
             # platform replaces this instance
             runtime.on_device_lost = lambda reason: os.kill(os.getpid(), signal.SIGTERM)
-        loader = threading.Thread(
-            target=_load, args=(runtime, owns_process), name="model-loader", daemon=True
-        )
+        loader = threading.Thread(target=runtime.load_all, name="model-loader", daemon=True)
         if load_in_background:
             loader.start()
         else:
-            _load(runtime, owns_process)
+            runtime.load_all()
         yield
         restore()
         runtime.stop(timeout=_stop_timeout(drain))
@@ -80,17 +78,15 @@ def create_app(settings: Settings | None = None, *, load_in_background: bool = T
     return app
 
 
-def _load(runtime: Runtime, owns_process: bool) -> None:
-    """Every model loaded (and measured); then, in a process of its own, what loading left
-    frozen out of the cyclic collector's reach. A full collection walks every object it
-    tracks, and torch, the service and the models leave a few hundred thousand: each one
-    stopped every thread, the event loop's included, mid-request (README, "The collector").
-    Frozen, it walks only what came after. Nothing loaded is dropped while the process lives
-    (the served parts are chosen by then), so nothing frozen would have been collected."""
-    runtime.load_all()
-    if owns_process:
-        gc.collect()
-        gc.freeze()
+def _freeze_startup_objects() -> None:
+    """What the imports made (torch's, the service's: nearly every object the process will
+    hold) out of the cyclic collector's reach. A full collection walks every object it
+    tracks, and stops every thread while it does, the event loop's included, mid-request
+    (README, "The collector"); frozen, it walks only what came after. Before any request or
+    model load, so nothing a request or a load drops is ever frozen (a frozen cycle would
+    never be collected)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _stop_timeout(drain: Drain) -> float:
