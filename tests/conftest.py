@@ -150,3 +150,14 @@ def pytest_terminal_summary(terminalreporter) -> None:
         f"machine: {model}, {os.cpu_count()} cores, {' '.join(simd) or 'no avx2'}; "
         f"load average {load}; this run's CPU {cpu_s:.0f} s (its processes, reaped ones)"
     )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collecting imported (torch, diffusers, the test modules: 500,000-600,000 objects
+    in a worker) out of the garbage collector's full collections, as `serve` does with its
+    own (README, "The collector"): they live for the session anyway. The workers' full
+    collections took 18 CPU-s of a `make test`, 14 with this (docs/BENCHMARKS.md)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
