@@ -138,7 +138,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
     says which CPU and how loaded). Reported, never read by a test."""
     import resource
 
-    cpu = open("/proc/cpuinfo").read()
+    try:
+        cpu = open("/proc/cpuinfo").read()
+    except OSError:  # not Linux
+        cpu = ""
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
                   if line.startswith("model name")), "unknown")  # fmt: skip
     flags = set(cpu.split())
@@ -153,10 +156,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """What collecting imported (torch, diffusers, the test modules: 500,000-600,000 objects
-    in a worker) out of the garbage collector's full collections, as `serve` does with its
-    own (README, "The collector"): they live for the session anyway. The workers' full
-    collections took 18 CPU-s of a `make test`, 14 with this (docs/BENCHMARKS.md)."""
+    """What collecting imported (torch, diffusers, the test modules: most of a worker's
+    objects) out of the garbage collector's full collections, as `serve` does with its own
+    (README, "The collector"): they live for the session anyway (measured: docs/BENCHMARKS.md,
+    "Sixteenth session")."""
     import gc
 
     gc.collect()
