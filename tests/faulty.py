@@ -257,6 +257,7 @@ def serve_process(
         order.note()  # the server reads the candidate order (tests/order.py)
     module = "tests.faulty_serve" if faulty_family else "app"
     if loop_cpu_log is not None:
+        assert not faulty_family, "tests.loop_cpu serves the known families only"
         module, environ["LOOP_CPU_LOG"] = "tests.loop_cpu", str(loop_cpu_log)
     cmd = [sys.executable, "-m", module, "serve", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as out:

@@ -5,8 +5,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -109,43 +107,34 @@ async def _receive_declared(
     join): memory follows the bytes sent, not the length declared (a buffer of that length,
     zero-filled at once, made a request that sent only its headers cost its whole length).
     A large buffer grows in place (glibc remaps it). Its claim on the budget lapses once it
-    falls behind the pace that would end it within ``timeout_s`` (``CLAIM_GRACE_S`` free)."""
+    falls behind the pace that would end it within ``timeout_s`` (``CLAIM_GRACE_S`` free):
+    one timer, moved on as the bytes come (not a task per chunk: docs/BENCHMARKS.md)."""
     body = bytearray()
-    started = time.monotonic()
-    chunks = request.stream()
-    while True:
-        if lease.claimed:  # then size > 0
-            pace = started + CLAIM_GRACE_S + len(body) * timeout_s / size
-            chunk = await _on_pace(anext(chunks, b""), pace, lease)
-        else:
-            chunk = await anext(chunks, b"")  # b"": the end, as Starlette's
-        if not chunk:
-            break
-        if len(body) + len(chunk) > size:  # h11 frames by Content-Length: never more
-            raise ProtocolError(
-                413,
-                f"body exceeds its Content-Length of {size} bytes",
-                "a body of its declared Content-Length",
-            )
-        lease.arrived(len(chunk))
-        body += chunk
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    lapse = loop.call_at(started + CLAIM_GRACE_S, lease.lapse) if lease.claimed else None
+    try:
+        async for chunk in request.stream():
+            if not chunk:  # the end, as Starlette's stream says it
+                break
+            if len(body) + len(chunk) > size:  # h11 frames by Content-Length: never more
+                raise ProtocolError(
+                    413,
+                    f"body exceeds its Content-Length of {size} bytes",
+                    "a body of its declared Content-Length",
+                )
+            lease.arrived(len(chunk))
+            body += chunk
+            if lapse is not None and lease.claimed:  # on pace so far: the next chunk's time
+                lapse.cancel()
+                pace = started + CLAIM_GRACE_S + len(body) * timeout_s / size
+                lapse = loop.call_at(pace, lease.lapse)
+    finally:
+        if lapse is not None:
+            lapse.cancel()
     if len(body) < size:  # a stream that ends early is a disconnect (Starlette raises it first)
         raise ClientGone
     return body
-
-
-async def _on_pace(read: Awaitable[bytes], pace: float, lease: BodyLease) -> bytes:
-    """``read``'s chunk; the lease's claim lapses if it has not come by ``pace``."""
-    following = asyncio.ensure_future(read)
-    try:
-        done, _ = await asyncio.wait({following}, timeout=max(0.0, pace - time.monotonic()))
-        if not done:
-            lease.lapse()
-        return await following
-    finally:
-        following.cancel()  # when this read itself is cancelled: a timeout, a drain
-        # an exception the task holds has this frame in its traceback
-        del following
 
 
 async def _receive_chunked(request: Request, lease: BodyLease, limit: int) -> bytearray:
