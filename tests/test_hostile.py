@@ -347,6 +347,24 @@ def test_a_non_finite_factor_names_a_real_expected_range(name, value):
     assert refused.value.expected == "a finite number"  # not "None..None"
 
 
+@pytest.mark.parametrize("name", ["seed", "quality", "frame", "height", "width"])
+@pytest.mark.parametrize("digits", [309, 400, 4300])
+def test_an_integer_past_a_float_is_out_of_range_not_a_500(name, digits):
+    """An integer of 310 to 4300 digits overflowed the range check's float (OverflowError:
+    a 500); it is compared as an integer now."""
+    with pytest.raises(ProtocolError) as refused:
+        parse_params([(name, "9" * digits)])
+    assert refused.value.status == 422 and "out of range" in refused.value.error
+    assert len(refused.value.error) < 200  # the value is clipped
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "-0.0"])
+def test_a_deadline_that_is_not_positive_says_so(value):
+    with pytest.raises(ProtocolError) as refused:
+        parse_params([("timeout", value)])
+    assert refused.value.status == 422 and refused.value.expected == "seconds > 0"
+
+
 @pytest.mark.parametrize(
     ("query", "words"),
     [

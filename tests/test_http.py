@@ -214,6 +214,9 @@ def test_every_response_has_timing_and_request_id(flux_server):
 
 
 F32 = np.zeros((1, 16, 4, 4), np.float32).tobytes()
+_npy = io.BytesIO()
+np.save(_npy, np.zeros((1, 16, 4, 4), np.float32))
+NPY = _npy.getvalue()
 BAD_INPUTS = [
     # (id, path, body, params, headers, status, words in the error)
     ("short body", "/decode/flux-tiny", F32[:-4], {"shape": [1, 16, 4, 4]}, {}, 400, "bytes"),
@@ -347,6 +350,12 @@ BAD_INPUTS = [
      422, "dtype 'FLOAT32'"),
     ("unicode height", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "height": "\u0663\u0662"},
      {}, 422, "not an integer"),
+    ("npy data short", "/decode/flux-tiny", NPY[:-4], {}, {"Content-Type": "application/x-npy"},
+     400, "data bytes"),
+    ("seed of 400 digits", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "seed": "9" * 400},
+     {}, 422, "out of range"),
+    ("two models, one long", "/decode/flux-tiny", F32, {"shape": [1, 16, 4, 4], "model": "b" * 5000},
+     {}, 422, "?model= names 'bbb"),
 ]  # fmt: skip
 
 
@@ -364,6 +373,7 @@ def test_bad_input_is_refused_with_a_json_4xx(strict_server, case):
     error = r.json()["error"]
     assert words in error
     assert r.json().get("expected"), r.text  # every 4xx says what was wanted instead
+    assert len(r.content) < 1024, r.text  # a client's value is repeated clipped
 
 
 def test_an_unknown_param_is_named_with_every_accepted_one(strict_server):

@@ -661,3 +661,55 @@ def test_a_jpeg_of_thousands_of_scans_declared_another_type_is_refused(url, decl
     )
     assert 400 <= r.status_code < 500, r.text
     assert f"more than {MAX_JPEG_SCANS} scans (the limit)" in r.json()["error"]
+
+
+# --- clips as phones and editors write them: variable frame rates, edit lists
+
+
+def ffmpeg_mp4(folder: Path, name: str, *args: str) -> Path:
+    """``ffmpeg ARGS`` writing ``folder/name`` (the binary the service runs)."""
+    out = folder / name
+    command = [_ffmpeg(), "-nostdin", "-hide_banner", "-loglevel", "error", "-y", *args, str(out)]
+    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    return out
+
+
+def clip_frames(body: bytes) -> torch.Tensor:
+    """Every frame the service's reader gives an encoder, ``[1, 3, T, H, W]``."""
+    from app.media.read import Mp4Clip
+
+    clip = Mp4Clip(body, max_frames=257, max_pixels=MAX_PIXELS, multiple=8)  # the default
+    try:
+        return clip.window(0, clip.shape[2])
+    finally:
+        clip.close()
+
+
+def test_a_variable_frame_rate_clip_gives_each_of_its_frames_once(tmp_path):
+    """9 flat frames of rising grey, 2/8 s apart, then 7/8 s: each frame once, in order (a
+    constant-rate read repeated the first four and never reached the last five)."""
+    greys = np.linspace(16, 235, 9).astype(np.uint8)
+    frames = np.broadcast_to(greys[:, None, None, None], (9, 64, 64, 3)).copy()
+    raw = tmp_path / "frames.rgb"
+    raw.write_bytes(frames.tobytes())
+    args = ["-f", "rawvideo", "-pix_fmt", "rgb24", "-s", "64x64", "-r", "8", "-i", str(raw)]
+    args += ["-vf", "setpts='if(lt(N,4),N*2,N*7)/TB/8'", "-fps_mode", "passthrough"]
+    args += ["-c:v", "libx264", "-qp", "0", "-pix_fmt", "yuv444p"]
+    body = ffmpeg_mp4(tmp_path, "vfr.mp4", *args).read_bytes()
+    read = clip_frames(body)
+    means = (read.mean(dim=(0, 1, 3, 4)) + 1) * 127.5
+    assert read.shape[2] == 9 and np.allclose(means.numpy(), greys, atol=2), means
+
+
+def test_a_clip_trimmed_by_an_edit_list_reads_the_frames_it_shows(tmp_path):
+    """A lossless cut (``-ss 1 -c copy``: what phones' and editors' trims write) keeps the
+    packets from the keyframe before the cut, which the edit list hides: the reader counts
+    and gives the 33 shown frames, as a player (and imageio) does, not 41 packets."""
+    args = ["-f", "lavfi", "-i", "testsrc2=size=64x64:rate=8", "-frames:v", "41"]
+    long = ffmpeg_mp4(tmp_path, "long.mp4", *args, "-c:v", "libx264", "-g", "40")
+    cut = ffmpeg_mp4(tmp_path, "cut.mp4", "-ss", "1.0", "-i", str(long), "-c", "copy")
+    body = cut.read_bytes()
+    shown = imageio_frames(body)
+    read = clip_frames(body)
+    assert read.shape[2] == len(shown) == 33
+    assert torch.equal(read, as_pixels(shown))

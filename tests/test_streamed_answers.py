@@ -290,3 +290,13 @@ def test_an_unknown_tensor_layout_is_refused_before_the_body_is_read(url):
     assert status == 422
     assert json.loads(body) == {"error": "X-Tensor-Layout 'TCHW' is not a tensor layout",
                                 "expected": "BCTHW or BTCHW"}  # fmt: skip
+
+
+@pytest.mark.parametrize("height", [3, 7])
+def test_a_4d_latent_to_a_video_model_is_an_mp4_of_one_frame(url, height):
+    """A 4-D latent is one latent frame: the MP4's ``x-frames`` said ``frames_out(H)``."""
+    z = latent(1, 16, height, 4, seed=height)
+    r = requests.post(f"{url}/decode/{MODEL}", params=query(z, output_type="mp4"),
+                      data=wire(z), headers={"Content-Type": "tensor/binary"},
+                      timeout=60)  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-frames"] == "1", r.headers

@@ -79,6 +79,12 @@ class VAEDecoder(nn.Module, ABC):
         """Pixels per latent cell along H and W."""
 
     @property
+    def min_cells(self) -> int:
+        """The fewest latent cells along H and W a decode takes: 2 where a conv pads the
+        latent-sized map by reflection (one cell has nothing to reflect; the reference fails)."""
+        return 1
+
+    @property
     def temporal_scale(self) -> int:
         """Frames per latent frame (video decoders)."""
         return 1

@@ -67,6 +67,12 @@ class VAEEncoder(nn.Module, ABC):
         """Pixels per latent cell along H and W."""
 
     @property
+    def min_cells(self) -> int:
+        """The fewest latent cells along H and W an encode makes: 2 where a conv pads the
+        deepest map by reflection (one cell has nothing to reflect; the reference fails)."""
+        return 1
+
+    @property
     def temporal_scale(self) -> int:
         return 1
 

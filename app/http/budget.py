@@ -124,6 +124,7 @@ class BodyLease:
                 413,
                 f"this request would hold {size} bytes, over the {limit >> 20} MiB budget of "
                 "what requests hold at once (VAE_BODIES_MB)",
+                f"a request that holds under {limit >> 20} MiB: fewer rows, or a smaller dtype",
             )
         if not self.budget.take(more, claim):
             raise ProtocolError(

@@ -27,6 +27,7 @@ from app.http.responses import (
 )
 from app.http.serving import Serving
 from app.protocol import ProtocolError, parse_head, validate
+from app.protocol.errors import echo
 from app.protocol.request import Output
 from app.protocol.shapes import answer_bytes
 from app.runtime import Job, ServedPart
@@ -101,7 +102,7 @@ def resolve_model(
     if path and query and path != query:
         raise ProtocolError(
             422,
-            f"the path names model {path!r} and ?model= names {query!r}",
+            f"the path names model {echo(path)} and ?model= names {echo(query)}",
             f"one of them: POST /{route}/{{model}} or ?model=",
         )
     name = path or query or serving.settings.default_model
@@ -118,8 +119,12 @@ def resolve_model(
     if name in runtime.models:
         return runtime.models[name]
     if runtime.loading:
-        raise ProtocolError(503, f"model {name!r} is still loading")
+        raise ProtocolError(503, f"model {name!r} is still loading", "retry after Retry-After")
     if name in runtime.errors:
-        raise ProtocolError(503, f"model {name!r} is not served: {runtime.errors[name]}")
+        raise ProtocolError(
+            503,
+            f"model {name!r} is not served: {runtime.errors[name]}",
+            "another model, or this one once it is replaced",
+        )
     what = f"model {name!r}" if path or query else f"VAE_DEFAULT_MODEL's model {name!r}"
     raise ProtocolError(404, f"{what} not found", ", ".join(sorted(runtime.models)))

@@ -92,7 +92,9 @@ def served_encoder(runtime: Runtime, name: str) -> ServedPart:
         return runtime.encoders[name]
     if name in runtime.encoder_errors:
         raise ProtocolError(
-            503, f"the encoder of model {name!r} is not served: {runtime.encoder_errors[name]}"
+            503,
+            f"the encoder of model {name!r} is not served: {runtime.encoder_errors[name]}",
+            "another model, or this one once it is replaced",
         )
     if not runtime.settings.serve_encoders:
         raise ProtocolError(

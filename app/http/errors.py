@@ -48,9 +48,14 @@ def runtime_error(exc: BaseException, model: str, part: str = "decoder") -> Prot
     if isinstance(exc, DeviceLost):
         return ProtocolError(503, f"this instance lost its device: {exc}", ANOTHER_INSTANCE)
     if isinstance(exc, InvalidInput):
-        return ProtocolError(422, f"the encoder refused the input: {exc}"[:300], "see /models")
+        return ProtocolError(
+            422,
+            f"the encoder refused the input: {exc}"[:300],
+            "an input this model's encoder takes (GET /models: its family and config)",
+        )
     if isinstance(exc, NonFiniteOutput):
-        return ProtocolError(422, str(exc), "a latent and factors in the decoder's range")
+        expected = "pixels in [-1, 1]" if part == "encoder" else "a latent in the decoder's range"
+        return ProtocolError(422, str(exc), f"{expected}, and finite factors")
     if isinstance(exc, TooLarge):
         return ProtocolError(413, f"too large for this instance: {exc}"[:300], "a smaller latent")
     if isinstance(exc, OutOfMemory) or is_oom(exc):

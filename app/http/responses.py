@@ -72,8 +72,9 @@ def streams_frames(request: DecodeRequest) -> bool:
 
 
 def video_frames(request: DecodeRequest, geometry: ModelGeometry) -> int:
-    """Output frames per row of a video latent."""
-    return geometry.frames_out(request.latent.shape[2])
+    """Output frames per row of a video latent (a 4-D latent is one latent frame)."""
+    latent = request.latent
+    return geometry.frames_out(latent.shape[2] if latent.ndim == 5 else 1)
 
 
 def tensor_layout(asked: str | None) -> str:

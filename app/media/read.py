@@ -46,6 +46,7 @@ PROBE_TIMEOUT_S = 60.0  # copying packets is fast: only a hostile index takes th
 FRAME_TIMEOUT_S = 30.0
 MAX_PROBE_LOG = 1 << 20  # of ffmpeg's stream listing; its metadata comes first and can be huge
 LOG_TAIL = 4096  # of ffmpeg's stderr, where its last line is
+DISCARD = 0x4  # AV_PKT_FLAG_DISCARD: an edit list hides the packet's frame
 MAX_ALLOC = 64 << 20  # ffmpeg's largest single allocation (-max_alloc), at least
 # -max_alloc bounds one allocation, not their sum: a 27 KB MP4 of 40 tracks, each claiming 5.5
 # million samples (an index of 132 MB, under it), made a probe take 5.3 GB. So every ffmpeg
@@ -254,11 +255,12 @@ def probe_mp4(
     info log level; none of it reaches a caller but a sanitized last line."""
     bound = _decoder_bound(max_pixels) if max_pixels else None  # the stream-info pass decodes
     command = [*_ffmpeg_input(path, bound), "-loglevel", "info", "-nostats"]
-    command += ["-progress", "pipe:1"]
-    if max_frames is not None:
-        command += ["-frames:v", str(max_frames + 1)]
-    # -copyinkf: every packet counts, not only those from the first keyframe on
-    command += ["-copyinkf", "-c", "copy", "-f", "null", "-"]
+    if max_frames is not None:  # discarded packets count too: twice the frames, then stop
+        command += ["-frames:v", str(2 * max_frames + 2)]
+    # -copyinkf: every packet counts, not only those from the first keyframe on; framecrc
+    # lists each packet with its flags, so those an edit list discards (a trimmed clip's
+    # lead-in, which no decoder shows) are not counted as frames
+    command += ["-copyinkf", "-c", "copy", "-f", "framecrc", "pipe:1"]
     with tempfile.TemporaryFile() as log:
         try:
             run = subprocess.run(
@@ -274,10 +276,9 @@ def probe_mp4(
         log.seek(0)
         listing = log.read(MAX_PROBE_LOG)
     size = next(filter(None, map(VIDEO_STREAM.match, _lines(listing))), None)
-    counts = re.findall(rb"^frame=(\d+)$", run.stdout, re.M)
-    if size is None or not counts:
-        raise _unreadable("no video stream size or frame count")
-    info = VideoInfo(int(size[1]), int(size[2]), int(counts[-1]))
+    if size is None:
+        raise _unreadable("no video stream size")
+    info = VideoInfo(int(size[1]), int(size[2]), _shown_packets(run.stdout))
     if info.frames == 0:  # also what an index past ffmpeg's memory bound leaves, silently
         raise _unreadable("its video stream has no readable frame")
     if max_frames is not None and info.frames > max_frames:
@@ -288,6 +289,14 @@ def probe_mp4(
             f"input {info.width}x{info.height} exceeds the limit of {max_pixels} pixels per frame",
         )
     return info
+
+
+def _shown_packets(listing: bytes) -> int:
+    """Packets in framecrc's ``listing`` that a decoder shows: all but those flagged discard
+    (``F=0x..`` with ``AV_PKT_FLAG_DISCARD``; a keyframe's line has no flags)."""
+    packets = [line for line in listing.splitlines() if line[:1].isdigit()]
+    flags = [re.search(rb", F=0x([0-9A-Fa-f]+)", line) for line in packets]
+    return sum(1 for f in flags if f is None or not int(f[1], 16) & DISCARD)
 
 
 def mp4_frames(
@@ -303,6 +312,9 @@ def mp4_frames(
     command = [*_ffmpeg_input(path, _decoder_bound(pixels), DECODE_THREADS), "-loglevel", "error"]
     if max_frames is not None:
         command += ["-frames:v", str(max_frames + 1)]
+    # every decoded frame once, as the clip holds it: image2pipe's default is a constant frame
+    # rate, which repeats and drops the frames of a variable-rate clip (a phone's)
+    command += ["-fps_mode", "passthrough"]
     command += ["-c:v", "ppm", "-pix_fmt", "rgb24", "-filter_threads", "1"]
     command += ["-f", "image2pipe", "pipe:1"]
     memory = PROBE_MEMORY + DECODE_MEMORY + DECODE_BYTES_PER_PIXEL * pixels

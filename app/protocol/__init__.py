@@ -159,10 +159,11 @@ def _check_output_holds(latent: torch.Tensor, model: ModelGeometry, output: Outp
             "batch 1 (a video latent: one frame, picked by frame=)",
         )
     if output is Output.IMAGE and images != 1:
+        video = ", or output_type=mp4" if model.is_video else ""  # an image model makes none
         raise ProtocolError(
             422,
             "an image response holds one image; this latent decodes to more",
-            "batch 1 (one frame), or output_type=mp4, or the frames as a tensor "
+            f"batch 1 (one frame){video}, or the frames as a tensor "
             "(output_type=pt, or Accept: tensor/binary)",
         )
     if output is Output.MP4 and latent.shape[0] != 1:

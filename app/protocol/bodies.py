@@ -167,6 +167,7 @@ def _parse_npy(body: bytes) -> Tensor:
             400,
             f".npy header declares shape {echo(list(shape)[:8])} ({count * dtype.itemsize} bytes) "
             f"but the body holds {data} data bytes",
+            "a .npy whose data is exactly its header's shape",
         )
     if count == 0:
         raise ProtocolError(422, f".npy latent {list(shape)} is empty", "every dim >= 1")

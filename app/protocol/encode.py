@@ -71,6 +71,7 @@ class EncoderGeometry:
     is_video: bool
     planned_bytes: Callable[[tuple[int, ...]], int]
     frames_problem: Callable[[int], str] = lambda frames: ""  # "": encodable
+    min_cells: int = 1  # the fewest latent cells along H and W the encoder makes
 
     @classmethod
     def of(cls, encoder: VAEEncoder) -> EncoderGeometry:
@@ -81,6 +82,7 @@ class EncoderGeometry:
             encoder.is_video,
             lambda shape: encoder.planned_bytes(tuple(shape), size),
             encoder.frames_problem,
+            encoder.min_cells,
         )
 
 
@@ -276,12 +278,16 @@ def _check_size(b: int, frames: int, h: int, w: int, geo: EncoderGeometry, limit
             "a smaller input",
         )
     check_run(geo.planned_bytes((1, *shape[1:])), limits, f"encoding {frames} frames of {w}x{h}")
-    if min(h, w) < geo.spatial_scale:
-        raise ProtocolError(
-            422, f"input {w}x{h} is smaller than one latent cell", f">= {geo.spatial_scale} px"
-        )
+    if min(h, w) < geo.spatial_scale * geo.min_cells:
+        cells = "one latent cell" if geo.min_cells == 1 else f"{geo.min_cells} latent cells"
+        least = geo.spatial_scale * geo.min_cells
+        raise ProtocolError(422, f"input {w}x{h} is smaller than {cells}", f">= {least} px")
     if geo.is_video and (problem := geo.frames_problem(frames)):
-        raise ProtocolError(422, f"the {geo.family} encoder refuses {frames} frames: {problem}")
+        raise ProtocolError(
+            422,
+            f"the {geo.family} encoder refuses {frames} frames: {problem}",
+            "a frame count the rule above allows",
+        )
 
 
 P = ParamSpec("P")
@@ -373,8 +379,11 @@ def read_mp4(body: bytes, geo: EncoderGeometry, limits: Limits) -> media_read.Mp
             multiple=geo.spatial_scale,
         )
     except media_read.MediaError as exc:
+        if exc.status == 413:
+            expected = f"at most {limits.max_frames} frames of at most {limits.max_pixels} pixels"
+            raise ProtocolError(413, exc.message, expected) from None
         message = f"the body is {exc.message}" if exc.status == 400 else exc.message
-        raise ProtocolError(exc.status, message) from None
+        raise ProtocolError(exc.status, message, "an H.264, HEVC, VP9 or AV1 MP4") from None
     try:
         _, _, frames, h, w = clip.shape
         _check_size(1, frames, h, w, geo, limits)

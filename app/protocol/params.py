@@ -133,8 +133,8 @@ def parse_params(
         scaling_factor=scaling_factor,
         shift_factor=shift_factor,
         do_scaling=_bool("do_scaling", one("do_scaling")),
-        height=_number("height", one("height"), int, low=1),
-        width=_number("width", one("width"), int, low=1),
+        height=_number("height", one("height"), int, low=1, high=MAX_DIM),
+        width=_number("width", one("width"), int, low=1, high=MAX_DIM),
         fps=_number("fps", one("fps"), float, low=0.1, high=240),
         timestep=_number("timestep", one("timestep"), float, low=0, high=1000),
         seed=_number("seed", one("seed"), int, low=0, high=2**63 - 1),
@@ -147,7 +147,7 @@ def parse_params(
 
 def parse_timeout(name: str, value: str | None) -> float | None:
     """A deadline in seconds (``timeout`` param or ``X-Request-Timeout`` header), > 0."""
-    seconds = _number(name, value, float, low=0.0)
+    seconds = _number(name, value, float)
     if seconds is not None and seconds <= 0:
         raise ProtocolError(422, f"{name}={echo(value)} must be positive", "seconds > 0")
     return seconds
@@ -207,7 +207,8 @@ def _number(
     except (ValueError, OverflowError):  # float("1e999") is inf; int never fails here
         number = math.inf
     if (
-        not math.isfinite(number)
+        # an int is finite, and compared exactly: math.isfinite(10**400) raises OverflowError
+        (kind is not int and not math.isfinite(number))
         or (low is not None and number < low)
         or (high is not None and number > high)
     ):

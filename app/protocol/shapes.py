@@ -65,6 +65,7 @@ class ModelGeometry:
     # latent shape (batch included) -> the decoder's planned working bytes on its device
     planned_bytes: Callable[[tuple[int, ...]], int] = lambda shape: 0
     fps: float | None = None  # the model's own MP4 frame rate, if its config has one
+    min_cells: int = 1  # the fewest latent cells along H and W the decoder takes
 
     @classmethod
     def of(cls, decoder: VAEDecoder) -> ModelGeometry:
@@ -79,6 +80,7 @@ class ModelGeometry:
             decoder.frames_out,
             lambda shape: decoder.planned_bytes(tuple(shape), size),
             float(fps) if isinstance(fps, int | float) and not isinstance(fps, bool) else None,
+            decoder.min_cells,
         )
 
 
@@ -222,6 +224,13 @@ def check_shape(
             f"decoding {b}x{frames} frames of {w}x{h} needs about {mib(work)} of working "
             f"memory; the limit is {mib(limits.max_decode_bytes)}",
             "a smaller latent or batch",
+        )
+    if kind is not Output.PREVIEW and min(shape[-2], shape[-1]) < geo.min_cells:
+        raise ProtocolError(
+            422,
+            f"a latent of {shape[-2]}x{shape[-1]} cells is too small for this decoder "
+            "(its convolutions pad by reflection)",
+            f"at least {geo.min_cells}x{geo.min_cells} latent cells",
         )
     if kind is not Output.PREVIEW:
         check_run(

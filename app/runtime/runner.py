@@ -220,7 +220,9 @@ class Runner:
             if request.packed:
                 z = pack_latents(z)
         if not bool(torch.isfinite(z).all()):
-            raise NonFiniteOutput("the encode produced NaN or infinity: check the factors")
+            raise NonFiniteOutput(
+                "the encode produced NaN or infinity: pixels far outside [-1, 1], or factors"
+            )
         return z.contiguous()
 
     # --- the ladder ---------------------------------------------------------------------

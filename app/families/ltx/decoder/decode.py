@@ -87,6 +87,10 @@ class Decoder(Architecture, VAEDecoder):
         return self.spec.patch * self._upscale(1)
 
     @property
+    def min_cells(self) -> int:
+        return 2 if getattr(self.spec, "padding_mode", "zeros") == "reflect" else 1  # LTX-2
+
+    @property
     def temporal_scale(self) -> int:
         return self.spec.patch_t * self._upscale(0)
 

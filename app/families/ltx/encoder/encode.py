@@ -166,6 +166,10 @@ class Encoder(VAEEncoder):
         return self.spec.patch * math.prod(self._strides(1))
 
     @property
+    def min_cells(self) -> int:
+        return 2 if self.spec.padding_mode == "reflect" else 1
+
+    @property
     def temporal_scale(self) -> int:
         return self.spec.patch_t * math.prod(self._strides(0))
 

@@ -98,6 +98,10 @@ class Encoder(VAEEncoder):
         return math.prod(self.spec.spatial)
 
     @property
+    def min_cells(self) -> int:
+        return 2 if self.spec.padding_mode == "reflect" else 1
+
+    @property
     def temporal_scale(self) -> int:
         return math.prod(self.spec.temporal)
 
