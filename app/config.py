@@ -6,6 +6,7 @@ bf16 order) reads one field with ``setting``, still as declared here."""
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from pydantic import (
     SecretStr,
     TypeAdapter,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -47,14 +49,22 @@ def _shapes(text: str) -> str:
     return text
 
 
+def _peers(text: str) -> str:
+    for peer in filter(None, (p.strip() for p in text.split(","))):
+        if peer != "*":
+            ipaddress.ip_network(peer, strict=False)  # ValueError names the bad one
+    return text
+
+
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="VAE_", extra="ignore")
+    # a number must be finite: "inf" (which float() reads) overflowed timers later, in threads
+    model_config = SettingsConfigDict(env_prefix="VAE_", extra="ignore", allow_inf_nan=False)
 
     models_dir: Path = Path("models")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     fallback: Literal["cpu", "off"] = "cpu"
-    parity_min_cos: float = Field(0.9999, gt=0)
+    parity_min_cos: float = Field(0.9999, gt=0, le=1)
     models: str = Field("", description="comma-separated store entries to load; empty = all")
     default_model: str | None = None
     verify_weights: bool = Field(True, description="check each entry's sha256 at startup")
@@ -124,7 +134,7 @@ class Settings(BaseSettings):
     max_request_timeout_s: float = Field(300.0, gt=0, description="cap on a request's deadline")
     retry_after_s: int = Field(1, ge=1)
     drain_grace_s: float = Field(
-        10.0, ge=0, description="SIGTERM: the process has exited this long after the signal"
+        10.0, ge=1, description="SIGTERM: the process has exited this long after the signal"
     )
     stream_stall_s: float = Field(
         60.0, gt=0, description="a reader that takes nothing of its answer this long is dropped"
@@ -175,7 +185,7 @@ class Settings(BaseSettings):
     # security
     api_tokens: SecretStr = Field(SecretStr(""), description="comma-separated bearer tokens")
     protect_metrics: bool = False
-    forwarded_allow_ips: str = Field(
+    forwarded_allow_ips: Annotated[str, AfterValidator(_peers)] = Field(
         "127.0.0.1",
         description="peers whose X-Forwarded-For names the client (comma-separated IPs or "
         "CIDRs, '*' for any); others' is ignored",
@@ -195,6 +205,23 @@ class Settings(BaseSettings):
     cpu_fast_bf16: bool | None = Field(
         None, description="order auto's candidates as on a CPU with (or without) native bf16"
     )
+
+    @field_validator("default_model", "compile_cache_dir", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        """An empty value (a template's variable left blank) is the default, as for the other
+        settings, not a model named "" nor the working directory."""
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("api_tokens")
+    @classmethod
+    def _some_token(cls, value: SecretStr) -> SecretStr:
+        """Set, it must hold a token: one that expands to commas and spaces (unset secrets in
+        a template) would otherwise leave the service open without a word."""
+        raw = value.get_secret_value()
+        if raw.strip() and not any(t.strip() for t in raw.split(",")):
+            raise ValueError("holds no token (only commas and spaces): give one, or unset it")
+        return value
 
     @model_validator(mode="after")
     def _limits_agree(self) -> Settings:

@@ -273,12 +273,31 @@ def test_a_body_over_the_manifests_limit_gets_a_413_naming_it_and_the_way_around
         ("VAE_H264_ENCODER", "bogus"),
         ("VAE_MAX_PIXELS", "0"),
         ("VAE_PARITY_MIN_COS", "0"),
+        ("VAE_PARITY_MIN_COS", "1.5"),
+        ("VAE_HEAP_IDLE_S", "inf"),
+        ("VAE_BATCH_WINDOW_MS", "inf"),
+        ("VAE_DEVICE_MEMORY_GB", "inf"),
+        ("VAE_DRAIN_GRACE_S", "0.2"),
+        ("VAE_FORWARDED_ALLOW_IPS", "127.0.0.1,notanip"),
+        ("VAE_API_TOKENS", " , "),
     ],
 )
 def test_serve_refuses_a_bad_value_in_one_line_naming_its_variable(tmp_path, variable, value):
     """Not a traceback at startup, nor a value taken silently that fails later (a warm-up
-    shape that killed the loader thread while /readyz turned 200)."""
+    shape that killed the loader thread while /readyz turned 200; an infinite wait that
+    killed the decode worker's thread; tokens that expand to none, leaving the service open)."""
     env = {**os.environ, "VAE_LOG_FORMAT": "text", variable: value}
     code, lines = serve_refusal(tmp_path, env)
     assert code == 2 and len(lines) == 1, lines
     assert f"refusing to start: {variable}: " in lines[0], lines
+
+
+def test_an_empty_model_or_cache_folder_is_unset(monkeypatch):
+    """A template's blank variable means the default: POST /decode's model is then the only
+    one served, not a model named "" (a 404); Inductor's caches are not the working folder."""
+    from app.config import Settings
+
+    monkeypatch.setenv("VAE_DEFAULT_MODEL", "")
+    monkeypatch.setenv("VAE_COMPILE_CACHE_DIR", " ")
+    settings = Settings()
+    assert settings.default_model is None and settings.compile_cache_dir is None

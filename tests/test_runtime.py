@@ -23,7 +23,7 @@ from app.protocol.request import DecodeRequest, Output
 from app.runtime import Job, Runtime, host_memory
 from app.runtime import runner as runner_module
 from app.runtime.runner import OutOfMemory
-from app.runtime.scheduler import Scheduler
+from app.runtime.scheduler import DeviceLost, Scheduler
 from app.store import load_model
 from app.telemetry import timing
 from app.telemetry.metrics import Metrics
@@ -498,6 +498,33 @@ def test_a_stop_during_a_batch_window_runs_the_batch_and_ends_the_worker(runtime
     scheduler.stop(timeout=10)
     assert time.monotonic() - t0 < 5 and not scheduler._worker.is_alive()
     assert job.future.result(timeout=0).shape[0] == 1
+
+
+def test_a_worker_that_dies_answers_its_jobs_and_asks_to_be_replaced(runtime, monkeypatch):
+    """A bug in the worker's own loop (before: an infinite VAE_HEAP_IDLE_S overflowed its
+    wait, the thread died, /healthz stayed 200 and every request waited out its deadline):
+    the job it held and those queued fail as a lost device would (503), and the process is
+    told to go (the service's SIGTERM), so the platform replaces it."""
+    lost: list[str] = []
+    scheduler = Scheduler(runtime.runner, Metrics(), 4, 8, lost.append, batch_window_s=20)
+
+    def broken(item) -> None:
+        raise OverflowError("timestamp out of range for platform time_t")
+
+    monkeypatch.setattr(scheduler, "_run_item", broken)
+    jobs = [
+        Job(runtime.models["faulty"], DecodeRequest(rows((0, 0, t)), Output.TENSOR), PhaseTimer())
+        for t in (140.0, 141.0)
+    ]
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    for job in jobs:
+        with pytest.raises(DeviceLost, match="the decode worker stopped: OverflowError"):
+            job.future.result(timeout=10)
+    assert lost and scheduler.worker_died and scheduler.device_lost == lost[0]
+    with pytest.raises(DeviceLost):
+        scheduler.submit(jobs[0])
 
 
 def test_a_micro_batch_plans_no_more_memory_than_one_request_may(store):

@@ -148,6 +148,13 @@ def _serve(args: argparse.Namespace) -> int:
     from app.telemetry.logs import uvicorn_kwargs
 
     log_runtime(settings.device)
+    tokens = len(settings.tokens())
+    logging.getLogger("app.cli").info(
+        "auth: %s",
+        f"bearer tokens ({tokens})"
+        if tokens
+        else "open (VAE_API_TOKENS unset: no route needs a token)",
+    )
     uvicorn.run(
         create_app(settings),
         host=args.host,

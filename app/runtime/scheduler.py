@@ -310,9 +310,22 @@ class Scheduler:
 
     # --- the worker -------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop_seen:
-            item = self._take_held()
-            self._run_item(item if item is not None else self._next())
+        item: Job | Call | None = None
+        try:
+            while not self._stop_seen:
+                item = self._take_held()
+                item = item if item is not None else self._next()
+                self._run_item(item)
+        except BaseException as exc:  # a bug in the worker itself: as a lost device, so the
+            # waiting requests get 503s at once and the process exits to be replaced (a live
+            # process without its worker would pass /healthz and time every request out)
+            log.exception("the decode worker stopped")
+            self.device_lost = f"the decode worker stopped: {type(exc).__name__}: {exc}"[:240]
+            if isinstance(item, Job):
+                fail(item, DeviceLost(self.device_lost))
+            self.fail_queued(DeviceLost(self.device_lost))
+            self.on_device_lost(self.device_lost)
+            return
         self.fail_queued(Stopped("the service is shutting down"))
 
     def _next(self) -> Job | Call | None:
