@@ -101,6 +101,8 @@ def test_safetensors_in_process_matches_npy_through_the_service(files, flux_stor
         ("channels", "latent has 4 channels but this model takes 16"),
         ("suffix", "cannot tell the output format"),
         ("unreachable", "cannot reach"),
+        ("no folder", "the folder"),  # checked before the decode, not at its end
+        ("a folder", "is a folder"),
     ],
 )
 def test_errors_are_one_clear_line(case, message, files, flux_store, flux_server):
@@ -117,11 +119,16 @@ def test_errors_are_one_clear_line(case, message, files, flux_store, flux_server
         args[4] = files["dir"] / "out.gif"
     elif case == "unreachable":
         where = ["--url", "http://127.0.0.1:9", "--timeout", "1"]
+    elif case == "no folder":
+        args[4] = out = files["dir"] / "absent" / "out.png"
+    elif case == "a folder":
+        (files["dir"] / "taken.png").mkdir(exist_ok=True)
+        args[4] = out = files["dir"] / "taken.png"
     result = cli(*args, *where)
     lines = [line for line in result.stderr.splitlines() if not line.startswith("torch imported")]
     assert result.returncode == 1 and lines and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: ") and message in lines[0], lines
-    assert not out.exists()
+    assert not out.exists() or out.is_dir()
     assert "torch imported: False" in result.stderr  # failing fast, before the heavy import
 
 

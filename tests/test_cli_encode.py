@@ -189,6 +189,7 @@ def test_mp4_through_a_video_encoder(store, tmp_path):
         ("not-an-image", "is not a valid png image"),
         ("seed", "--seed only applies with --sample"),
         ("mp4-to-image-encoder", "video/mp4 needs a video model"),
+        ("no-folder", "the folder"),  # checked before the encode, not at its end
     ],
 )
 def test_errors_are_one_clear_line(case, message, store, photo_file, tmp_path, capsys):
@@ -206,6 +207,8 @@ def test_errors_are_one_clear_line(case, message, store, photo_file, tmp_path, c
         src.write_text("hello")
     elif case == "seed":
         extra = ["--seed", "3"]
+    elif case == "no-folder":
+        out = tmp_path / "absent" / "z.safetensors"
     else:
         from app.media.mp4 import encode_mp4
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -184,11 +185,21 @@ def test_an_import_of_what_the_family_does_not_read_is_one_error_line(
     monkeypatch.setattr("app.telemetry.logs.configure_logging", lambda: None)
     encoder = tmp_path / "taesd_encoder.pth"  # madebyollin's layout: its first conv takes RGB
     torch.save({"0.weight": torch.zeros(64, 3, 3, 3), "0.bias": torch.zeros(64)}, encoder)
+    runs_code = tmp_path / "evil_decoder.pth"  # torch's own message advises weights_only=False
+    torch.save({"x": Fraction(1, 3)}, runs_code)
+    truncated = tmp_path / "cut_decoder.pth"
+    truncated.write_bytes(encoder.read_bytes()[:200])
+    empty = tmp_path / "empty_decoder.pth"
+    empty.touch()
     cases = {
         ("taesd", tmp_path / "missing.pth"): "missing.pth: no such file or folder",
         ("nosuch", encoder): "unknown family 'nosuch'; known: flux,",
         ("taesd", encoder): "is not a taesd checkpoint that import reads: taesd: an encoder's",
         ("flux", tmp_path): "is not a flux checkpoint that import reads: [Errno 2]",
+        ("taesd", runs_code): "import reads: a pickle that runs code (refused)",
+        ("taesd", truncated): "is not a taesd checkpoint that import reads: ",
+        ("taesd", empty): "is not a taesd checkpoint that import reads: EOFError",
+        ("flux", runs_code): "is not a flux checkpoint that import reads: ",
     }
     for (key, source), words in cases.items():
         argv = ["import", key, str(source), "--name", "x", "--models-dir", str(tmp_path)]
@@ -196,7 +207,14 @@ def test_an_import_of_what_the_family_does_not_read_is_one_error_line(
             cli.main(argv)
         err = capsys.readouterr().err
         assert done.value.code == 1 and err.startswith("error: ") and words in err, err
-        assert err.count("\n") == 1, err
+        assert err.count("\n") == 1 and "weights_only" not in err and "\x1b" not in err, err
+    # the name is checked before the checkpoint is read
+    argv = ["import", "taesd", str(encoder), "--name", "../x", "--models-dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 1 and err.startswith("error: import refused: invalid model name")
+    assert err.count("\n") == 1, err
     assert not list_models(tmp_path)
 
 

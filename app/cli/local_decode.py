@@ -39,13 +39,27 @@ class LocalDecodeError(CommandError):
 
 
 def output_for(out: Path) -> dict[str, str]:
-    """The query params an output file's suffix asks for (``output_type``, ``image_format``)."""
+    """The query params an output file's suffix asks for (``output_type``, ``image_format``);
+    the file must be one this process can write (checked now, not after a long decode)."""
     try:
-        return OUTPUT_PARAMS[out.suffix.lower()]
+        params = OUTPUT_PARAMS[out.suffix.lower()]
     except KeyError:
         raise LocalDecodeError(
             f"{out}: cannot tell the output format from the suffix (use {', '.join(OUTPUT_PARAMS)})"
         ) from None
+    check_writable(out)
+    return params
+
+
+def check_writable(out: Path) -> None:
+    """``out`` can be written where it is: a file (or none yet) in a writable folder."""
+    folder = out.parent
+    if out.is_dir():
+        raise LocalDecodeError(f"{out} is a folder: -o names the output file")
+    if not folder.is_dir():
+        raise LocalDecodeError(f"{out}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise LocalDecodeError(f"{out}: not writable by this user")
 
 
 def check_latent_file(path: Path) -> None:

@@ -14,7 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cli.local_decode import LocalDecodeError, atomic, check_model, load_runtime
+from app.cli.local_decode import (
+    LocalDecodeError,
+    atomic,
+    check_model,
+    check_writable,
+    load_runtime,
+)
 
 BODY_TYPES = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
               ".webp": "image/webp", ".mp4": "video/mp4"}  # fmt: skip
@@ -42,6 +48,7 @@ def check_latent_output(path: Path) -> None:
         raise LocalEncodeError(
             f"{path}: the latent file is {', '.join(LATENT_SUFFIXES)} (the suffix names the format)"
         )
+    check_writable(path)
 
 
 def encode_file(

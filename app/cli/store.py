@@ -64,20 +64,32 @@ def _complete(store: Path, name: str) -> bool:
 def import_checkpoint(args: argparse.Namespace) -> int:
     """Convert a checkpoint once into the store: its decoder, and its encoder where the family
     has one and the checkpoint holds it."""
+    import pickle
+
     from app.cli.errors import CommandError, describe
     from app.families import family
     from app.runtime.references import store_references
-    from app.store import PairError, StoreError, write_model
+    from app.store import PairError, StoreError, check_name, write_model
 
     if not args.source.exists():
         raise CommandError(f"{args.source}: no such file or folder")
+    try:
+        check_name(args.name)  # before the conversion, which can take minutes
+    except StoreError as exc:
+        raise CommandError(f"import refused: {exc}") from None
     described = family(args.family)
     try:
         config, state = described.decoder.convert(args.source)
-    except (ValueError, KeyError, OSError) as exc:  # not what this family's converter reads
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any file this family's converter cannot read
+        # (torch's own words for a pickle would advise weights_only=False: never)
+        why = (
+            "a pickle that runs code (refused)" if isinstance(exc, pickle.UnpicklingError) else None
+        )
         raise CommandError(
             f"{args.source} is not a {args.family} checkpoint that import reads: "
-            f'{describe(exc)} (README, "Command line", lists what each family imports)'
+            f'{why or describe(exc)} (README, "Command line", lists what each family imports)'
         ) from exc
     encoder_config, encoder_state = _convert_encoder(described.encoder, args.source)
 

@@ -364,3 +364,45 @@ def test_retry_after_beyond_max_backoff_is_not_slept_on(flux_server, z):
             c.decode(z, "flux-tiny")
         assert time.monotonic() - t0 < AT_ONCE_S and info.value.status == 429
         assert not isinstance(info.value, DeadlineExceeded)
+
+
+class _Page(BaseHTTPRequestHandler):
+    """Not the service: a 200 HTML page for every POST (a proxy's, a static file server's)."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        page = b"<html><body>hello</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        self.wfile.write(page)
+
+
+def test_a_200_that_is_not_what_was_asked_for_is_an_error(z, tmp_path):
+    """Written as the image before: ``decode`` returned the page, ``decode_to_file`` wrote it."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with Client(url, max_retries=0) as c:
+            with pytest.raises(DecodeError, match="the answer is text/html, not image/png"):
+                c.decode(z, "flux-tiny")
+            with pytest.raises(DecodeError, match="not video/mp4: is http"):
+                c.decode_to_file(z, tmp_path / "out.mp4", model="wan-tiny")
+            with pytest.raises(DecodeError, match="not application/x-npy"):
+                c.encode_to_file(np.zeros((1, 3, 8, 8), np.float32), tmp_path / "z.npy", model="m")
+        assert not list(tmp_path.iterdir())
+
+        async def both() -> None:
+            async with AsyncClient(url, max_retries=0) as c:
+                with pytest.raises(DecodeError, match="not image/png"):
+                    await c.decode(z, "flux-tiny")
+
+        asyncio.run(both())
+    finally:
+        server.shutdown()
+        server.server_close()

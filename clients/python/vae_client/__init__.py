@@ -11,9 +11,9 @@ terminal's stderr) follows it::
     from vae_client import Client
 
     client = Client("http://127.0.0.1:8080")
-    png = client.decode(latent, model="flux1", do_scaling=True)
-    z = client.encode(Image.open("photo.png"), model="flux1", do_scaling=True)  # numpy latent
-    video = client.decode("z.npy", model="ltx-video", output="tensor", progress=True)
+    png = client.decode(latent, model="flux1-synthetic", do_scaling=True)
+    z = client.encode(Image.open("photo.png"), model="flux1-synthetic", do_scaling=True)  # numpy latent
+    video = client.decode("z.npy", model="ltx-tiny", output="tensor", progress=True)
 
 429/503 are retried after ``Retry-After`` (jittered, at most ``max_retries`` times, never
 past ``deadline``); a refused request raises ``DecodeError`` with the server's ``error`` and

@@ -151,6 +151,7 @@ class AsyncClient(BaseClient):
                     if response.status_code >= 400:
                         wait = self._refused(attempts, response, await response.aread(), req)
                     else:
+                        self._check_answer(req, response)
                         reception = Reception(req.output, response.headers, sink, progress)
                         async for chunk in response.aiter_bytes():
                             attempts.check()

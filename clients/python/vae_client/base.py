@@ -112,5 +112,19 @@ class BaseClient:
             raise error
         return attempts.delay(parse_retry_after(response.headers.get("retry-after")), error)
 
+    def _check_answer(self, req: Request, response: httpx.Response) -> None:
+        """A success must carry what was asked for (the request's Accept): another server at
+        this URL (a proxy's page, a static file server) answers 200 too, and its HTML would be
+        written as the image."""
+        asked = req.headers.get("Accept", "")
+        got = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        if asked and got != asked:
+            raise DecodeError(
+                response.status_code,
+                f"the answer is {got or 'untyped'}, not {asked}: is {self.base_url} the VAE "
+                "render service?",
+                request_id=response.headers.get("x-request-id", req.headers.get("X-Request-Id")),
+            )
+
     def _unreachable(self, exc: Exception) -> DecodeError:
         return DecodeError(None, f"cannot reach {self.base_url}: {exc or type(exc).__name__}")

@@ -191,6 +191,7 @@ class Client(BaseClient):
                     if response.status_code >= 400:
                         wait = self._refused(attempts, response, response.read(), req)
                     else:
+                        self._check_answer(req, response)
                         reception = Reception(req.output, response.headers, sink, progress)
                         for chunk in response.iter_bytes():
                             attempts.check()
