@@ -192,6 +192,10 @@ def _drive(browser, url, tmp_path, picture, image_latent, video_latent, wrong_la
     refused = len(errors)
     page.wait_for_timeout(REFRESH_MS + 500)  # a poll's time: no 401 more till a token is typed
     assert len(errors) == refused, errors
+    page.fill("#token", "not-the-token")  # a wrong one: the service's words, not "needs one"
+    page.click("#token-form button[type=submit]")
+    page.wait_for_selector("#models-status:has-text('the token was refused')")
+    assert "invalid bearer token" in page.inner_text("#models-status")
     page.fill("#token", TOKEN)
     page.click("#token-form button[type=submit]")
     page.wait_for_selector(f'tr[data-model="{IMAGE_MODEL}"]')

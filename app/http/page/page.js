@@ -176,7 +176,10 @@ async function refresh(event) {
     refused = false;
   } catch (error) {
     refused = error.status === 401;
-    const hint = refused ? "this service needs a token: type it above" : "";
+    const typed = Boolean(sessionStorage.getItem(TOKEN_KEY));
+    // with a token typed, the service's own words ("invalid bearer token"), not a request for one
+    const why = typed ? `the token was refused (${error.message}): type the right one above` : "";
+    const hint = refused ? why || "this service needs a token: type it above" : "";
     $("models-status").textContent = hint || `GET /models failed: ${error.message}`;
   } finally {
     refreshing = false;
