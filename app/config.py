@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     fallback: Literal["cpu", "off"] = "cpu"
-    parity_min_cos: float = Field(0.9999, gt=0, le=1)
+    parity_min_cos: float = Field(0.9999, gt=0)
     models: str = Field("", description="comma-separated store entries to load; empty = all")
     default_model: str | None = None
     verify_weights: bool = Field(True, description="check each entry's sha256 at startup")

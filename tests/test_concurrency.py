@@ -273,7 +273,7 @@ def test_a_body_over_the_manifests_limit_gets_a_413_naming_it_and_the_way_around
         ("VAE_H264_ENCODER", "bogus"),
         ("VAE_MAX_PIXELS", "0"),
         ("VAE_PARITY_MIN_COS", "0"),
-        ("VAE_PARITY_MIN_COS", "1.5"),
+        ("VAE_PARITY_MIN_COS", "inf"),
         ("VAE_HEAP_IDLE_S", "inf"),
         ("VAE_BATCH_WINDOW_MS", "inf"),
         ("VAE_DEVICE_MEMORY_GB", "inf"),

@@ -217,3 +217,19 @@ def test_a_served_float32_copy_is_laid_out_as_the_family_says_and_at_parity(key)
     assert all(p.is_contiguous() for p in reference.parameters()), key  # the exact one: as stored
     x = gate.probes_for(reference).plain
     assert cosine(served.moments(x), reference.moments(x)) >= 0.99999, key
+
+
+def test_a_selection_after_ready_ends_between_two_runs_once_the_service_stops():
+    """SIGTERM during the after-ready measurement: it ends before the next timed run (it
+    ended after the whole part, which could keep an idle process to its drain deadline)."""
+    probes = gate.probes_for(_reference())
+    candidates = [modes.EXACT, modes.Mode(torch.float32)]
+    asked: list[int] = []
+
+    def stop() -> bool:  # SIGTERM arrives during the first candidate's run
+        asked.append(1)
+        return len(asked) > 1
+
+    with pytest.raises(selection.Interrupted, match="shutting down"):
+        selection.choose("encoder of t", probes, CPU, candidates, 0.9999, 2, stop=stop)
+    assert len(asked) == 2  # asked before the first run and the second: nothing ran after

@@ -174,6 +174,11 @@ class Registry:
                 chosen.compiled = served[entry.name].compiled
                 served[entry.name] = chosen
                 self._publish(entry, chosen)  # "done" once the winner serves, not before
+            except (
+                selection.Interrupted
+            ) as exc:  # shutting down: between two timed runs, not after all
+                entry.state.selection = "stopped"
+                log.info("%s", exc)
             except Exception as exc:  # the exact path keeps serving
                 entry.state.selection = f"failed: {exc}"
                 log.error(
@@ -220,6 +225,7 @@ class Registry:
                 candidates,
                 self.settings.parity_min_cos,
                 self.settings.gate_repeats,
+                stop=(lambda: self.stopping) if upgrade else (lambda: False),
             )
         served = self._served(entry, chosen)
         served.load_seconds = state.elapsed()

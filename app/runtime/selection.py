@@ -71,6 +71,10 @@ class Selection:
     candidates: list[Candidate] = field(default_factory=list)
 
 
+class Interrupted(Exception):
+    """A measurement ended between two timed runs: the service is shutting down."""
+
+
 def choose(
     name: str,
     probes: gate.Probes,
@@ -78,16 +82,29 @@ def choose(
     candidate_modes: list[Mode],
     min_cos: float,
     repeats: int = 2,
+    stop: Callable[[], bool] = lambda: False,
 ) -> Selection:
-    """Measure every candidate, then gate them fastest first; the first that passes wins."""
+    """Measure every candidate, then gate them fastest first; the first that passes wins.
+    ``stop`` (the service shutting down) is asked before each timed run: ``Interrupted``."""
     reference = probes.reference
     if exact_only(candidate_modes, device):
         only = Candidate(modes.EXACT, reference, report=gate.EXACT_REPORT)
         return Selection(only, True, "the only candidate: the exact path", [only])
+
+    def go_on() -> None:
+        if stop():
+            raise Interrupted(f"{name}: mode selection stopped: the service is shutting down")
+
+    def timed(candidate: Candidate) -> float:
+        go_on()
+        return _run_seconds(candidate.copy, probes, device)[0]
+
     candidates = [Candidate(mode) for mode in candidate_modes]
     for candidate in candidates:
+        go_on()
         _measure(candidate, probes, device)
-    retime(candidates, lambda c: _run_seconds(c.copy, probes, device)[0], repeats)
+    retime(candidates, timed, repeats)
+    go_on()
     for candidate in candidates:
         log.info(
             "%s: candidate %s on %s: probe %s s, batch-1 cosine %s%s",
