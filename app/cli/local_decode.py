@@ -58,8 +58,8 @@ def check_writable(out: Path) -> None:
         raise LocalDecodeError(f"{out} is a folder: -o names the output file")
     if not folder.is_dir():
         raise LocalDecodeError(f"{out}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
-        raise LocalDecodeError(f"{out}: not writable by this user")
+    if not os.access(folder, os.W_OK):  # the file is written beside it, then renamed
+        raise LocalDecodeError(f"{out}: the folder {folder} is not writable by this user")
 
 
 def check_latent_file(path: Path) -> None:

@@ -174,9 +174,7 @@ class Registry:
                 chosen.compiled = served[entry.name].compiled
                 served[entry.name] = chosen
                 self._publish(entry, chosen)  # "done" once the winner serves, not before
-            except (
-                selection.Interrupted
-            ) as exc:  # shutting down: between two timed runs, not after all
+            except selection.Interrupted as exc:  # shutting down, between two timed runs
                 entry.state.selection = "stopped"
                 log.info("%s", exc)
             except Exception as exc:  # the exact path keeps serving
