@@ -306,7 +306,7 @@ def setting(name: str) -> Any:
     """One field read alone from its variable (``VAE_<NAME>``), typed and defaulted as the
     field declares, without validating the others."""
     field = Settings.model_fields[name]
-    raw = os.environ.get(f"VAE_{name.upper()}", "").strip()
+    raw = _variable(name).strip()
     if not raw:
         return field.get_default(call_default_factory=True)
     try:
@@ -341,4 +341,10 @@ def unknown_variables(environ: Mapping[str, str] = os.environ) -> list[str]:
 
 def given(name: str) -> bool:
     """Whether the environment sets field ``name`` (its variable is not empty)."""
-    return bool(os.environ.get(f"VAE_{name.upper()}", "").strip())
+    return bool(_variable(name).strip())
+
+
+def _variable(name: str) -> str:
+    """Field ``name``'s variable in any case, as ``Settings`` reads it (``vae_log_format``)."""
+    wanted = f"VAE_{name.upper()}"
+    return next((v for k, v in os.environ.items() if k.upper() == wanted), "")

@@ -53,3 +53,12 @@ def test_the_checks_see_what_they_look_for():
         "VAE_B",
         "VAE_C",
     ]
+
+
+def test_a_field_read_alone_is_read_in_any_case_as_settings_reads_it(monkeypatch):
+    """``Settings`` reads ``vae_log_format``; the readers that run before it (logging, the
+    command line) read the same variable, not only its upper-case spelling."""
+    from app.config import Settings, given, setting
+
+    monkeypatch.setenv("vae_log_format", "json")
+    assert Settings().log_format == "json" == setting("log_format") and given("log_format")

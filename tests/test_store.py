@@ -16,6 +16,7 @@ import torch
 from diffusers import AutoencoderKL
 from safetensors.torch import save_file
 
+from app.families import family
 from app.store import StoreError, check_name, list_models, load_model, sha256_file
 from tests import launch
 from tests.conftest import ROOT
@@ -191,6 +192,11 @@ def test_an_import_of_what_the_family_does_not_read_is_one_error_line(
     truncated.write_bytes(encoder.read_bytes()[:200])
     empty = tmp_path / "empty_decoder.pth"
     empty.touch()
+    nan = tmp_path / "nan.safetensors"  # imported, it made every decode a 422 blaming the latent
+    taesd = family("taesd")
+    weights = taesd.decoder.module(dict(taesd.synthetic["taesd-seeded"].config)).state_dict()
+    weights[next(iter(weights))][0] = float("nan")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(nan))
     cases = {
         ("taesd", tmp_path / "missing.pth"): "missing.pth: no such file or folder",
         ("nosuch", encoder): "unknown family 'nosuch'; known: flux,",
@@ -200,6 +206,7 @@ def test_an_import_of_what_the_family_does_not_read_is_one_error_line(
         ("taesd", truncated): "is not a taesd checkpoint that import reads: ",
         ("taesd", empty): "is not a taesd checkpoint that import reads: EOFError",
         ("flux", runs_code): "is not a flux checkpoint that import reads: ",
+        ("taesd", nan): "nan.safetensors: weights hold NaN or infinity (",
     }
     for (key, source), words in cases.items():
         argv = ["import", key, str(source), "--name", "x", "--models-dir", str(tmp_path)]
@@ -216,6 +223,10 @@ def test_an_import_of_what_the_family_does_not_read_is_one_error_line(
     assert done.value.code == 1 and err.startswith("error: import refused: invalid model name")
     assert err.count("\n") == 1, err
     assert not list_models(tmp_path)
+    with pytest.raises(SystemExit) as done:  # bake of a name no recipe has: said, not silent
+        cli.main(["bake", "--synthetic", "--only", "nosuch", "--models-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert done.value.code == 1 and err.startswith("error: no embedded model named nosuch (known:")
 
 
 # The loader as the image's unprivileged user: Python and torch load as root (this machine's

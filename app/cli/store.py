@@ -13,11 +13,17 @@ def bake(args: argparse.Namespace) -> int:
     """Write each embedded model (``--only``: those named, baked by default or not)."""
     import torch
 
+    from app.cli.errors import CommandError
     from app.families import families
     from app.runtime.references import store_references
     from app.store import write_model
 
     store = Path(args.models_dir)
+    known = {name for family in families().values() for name in family.synthetic}
+    if unknown := sorted(set(args.only or ()) - known):
+        raise CommandError(
+            f"no embedded model named {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
     for key, family in families().items():
         recipes = family.synthetic if args.only else family.baked()
         for name, recipe in recipes.items():
@@ -91,6 +97,8 @@ def import_checkpoint(args: argparse.Namespace) -> int:
             f"{args.source} is not a {args.family} checkpoint that import reads: "
             f'{why or describe(exc)} (README, "Command line", lists what each family imports)'
         ) from exc
+    if bad := _not_finite(state):  # it would import, then every decode answer a 422
+        raise CommandError(f"{args.source}: weights hold NaN or infinity ({', '.join(bad[:3])})")
     encoder_config, encoder_state = _convert_encoder(described.encoder, args.source)
 
     def write(encoder_state: dict | None, encoder_config: dict | None) -> Any:
@@ -123,6 +131,17 @@ def import_checkpoint(args: argparse.Namespace) -> int:
         f"parts {'+'.join(manifest.parts)}, sha256 {manifest.sha256[:12]}; {refs})"
     )
     return 0
+
+
+def _not_finite(state: dict[str, Any]) -> list[str]:
+    """The names of the floating-point tensors holding a NaN or an infinity."""
+    import torch
+
+    return [
+        name
+        for name, tensor in state.items()
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
+    ]
 
 
 def _convert_encoder(part: Any, source: Path) -> tuple[dict | None, dict | None]:
