@@ -70,8 +70,6 @@ def _complete(store: Path, name: str) -> bool:
 def import_checkpoint(args: argparse.Namespace) -> int:
     """Convert a checkpoint once into the store: its decoder, and its encoder where the family
     has one and the checkpoint holds it."""
-    import pickle
-
     from app.cli.errors import CommandError, describe
     from app.families import family
     from app.runtime.references import store_references
@@ -89,10 +87,10 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     except MemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - any file this family's converter cannot read
-        # (torch's own words for a pickle would advise weights_only=False: never)
-        why = (
-            "a pickle that runs code (refused)" if isinstance(exc, pickle.UnpicklingError) else None
-        )
+        # torch's words for a pickle advise weights_only=False (never); matched by name, as
+        # nothing on the load path imports pickle (tests/test_body_limits.py)
+        unpickling = type(exc).__name__ == "UnpicklingError"
+        why = "a pickle that runs code (refused)" if unpickling else None
         raise CommandError(
             f"{args.source} is not a {args.family} checkpoint that import reads: "
             f'{why or describe(exc)} (README, "Command line", lists what each family imports)'
