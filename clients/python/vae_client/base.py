@@ -20,7 +20,7 @@ DEFAULT_URL = os.environ.get("VAE_URL", "http://127.0.0.1:8080")
 
 
 class BaseClient:
-    """``timeout``: seconds per attempt (connect/read); ``deadline``: seconds for a whole
+    """``timeout``: seconds per wait (connect, each read); ``deadline``: seconds for a whole
     call, retries included (None: no overall limit); ``max_retries``: retries of 429/503 and
     of connection failures; ``token``: sent as ``Authorization: Bearer`` (or $VAE_TOKEN): a
     string, or a provider (a callable returning one, see ``vae_client.auth``) called again

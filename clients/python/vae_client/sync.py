@@ -31,7 +31,7 @@ from vae_client.wire import (
 class Client(BaseClient):
     """Decode latents (and encode pixels) against a running service (thread-safe; reuse one per process).
 
-    ``timeout``: seconds per attempt (connect/read); ``deadline``: seconds for a whole call,
+    ``timeout``: seconds per wait (connect, each read); ``deadline``: seconds for a whole call,
     retries included (None: no overall limit); ``max_retries``: retries of 429/503 and of
     connection failures; ``token``: sent as ``Authorization: Bearer`` (or $VAE_TOKEN).
     """
