@@ -134,7 +134,7 @@ class VideoInfo:
 
     width: int
     height: int
-    frames: int  # packets counted; past a given ``max_frames`` only ``max_frames + 1``
+    frames: int  # packets a decoder shows (an edit list's discarded ones not counted)
 
 
 def to_pixels(frames: list[Image.Image], multiple: int) -> Tensor:
@@ -246,17 +246,15 @@ def _ffmpeg_input(
     return [*args, "-i", f"file:{path.resolve()}", "-map", "0:v:0"]
 
 
-def probe_mp4(
-    path: Path, *, max_frames: int | None = None, max_pixels: int | None = None
-) -> VideoInfo:
+def probe_mp4(path: Path, *, max_frames: int, max_pixels: int | None = None) -> VideoInfo:
     """The first video stream's size (from ffmpeg's stream listing) and frame count (its
-    packets copied to nowhere, nothing decoded; counting stops past ``max_frames``). A count
-    past ``max_frames`` or a size past ``max_pixels`` is a 413. The listing needs ffmpeg's
-    info log level; none of it reaches a caller but a sanitized last line."""
+    packets listed, nothing decoded; the listing stops past twice ``max_frames`` packets, so
+    its size is bounded whatever the index claims). A count past ``max_frames`` or a size past
+    ``max_pixels`` is a 413. The stream listing needs ffmpeg's info log level; none of it
+    reaches a caller but a sanitized last line."""
     bound = _decoder_bound(max_pixels) if max_pixels else None  # the stream-info pass decodes
     command = [*_ffmpeg_input(path, bound), "-loglevel", "info", "-nostats"]
-    if max_frames is not None:  # discarded packets count too: twice the frames, then stop
-        command += ["-frames:v", str(2 * max_frames + 2)]
+    command += ["-frames:v", str(2 * max_frames + 2)]  # discarded packets count here too
     # -copyinkf: every packet counts, not only those from the first keyframe on; framecrc
     # lists each packet with its flags, so those an edit list discards (a trimmed clip's
     # lead-in, which no decoder shows) are not counted as frames
@@ -281,7 +279,7 @@ def probe_mp4(
     info = VideoInfo(int(size[1]), int(size[2]), _shown_packets(run.stdout))
     if info.frames == 0:  # also what an index past ffmpeg's memory bound leaves, silently
         raise _unreadable("its video stream has no readable frame")
-    if max_frames is not None and info.frames > max_frames:
+    if info.frames > max_frames:
         raise MediaError(413, f"the MP4 has more than {max_frames} frames (the limit)")
     if max_pixels is not None and info.width * info.height > max_pixels:
         raise MediaError(
