@@ -95,9 +95,9 @@ def import_checkpoint(args: argparse.Namespace) -> int:
             f"{args.source} is not a {args.family} checkpoint that import reads: "
             f'{why or describe(exc)} (README, "Command line", lists what each family imports)'
         ) from exc
-    if bad := _not_finite(state):  # it would import, then every decode answer a 422
-        raise CommandError(f"{args.source}: weights hold NaN or infinity ({', '.join(bad[:3])})")
+    _refuse_not_finite(args.source, state)  # before the encoder's conversion and its notes
     encoder_config, encoder_state = _convert_encoder(described.encoder, args.source)
+    _refuse_not_finite(args.source, encoder_state or {})
 
     def write(encoder_state: dict | None, encoder_config: dict | None) -> Any:
         return write_model(
@@ -131,15 +131,20 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_finite(state: dict[str, Any]) -> list[str]:
-    """The names of the floating-point tensors holding a NaN or an infinity."""
+def _refuse_not_finite(source: Path, state: dict[str, Any]) -> None:
+    """Weights holding a NaN or an infinity: imported, they would make every decode (or
+    encode) a 422 that blames the caller's input."""
     import torch
 
-    return [
+    from app.cli.errors import CommandError
+
+    bad = [
         name
         for name, tensor in state.items()
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all())
     ]
+    if bad:
+        raise CommandError(f"{source}: weights hold NaN or infinity ({', '.join(bad[:3])})")
 
 
 def _convert_encoder(part: Any, source: Path) -> tuple[dict | None, dict | None]:

@@ -14,6 +14,12 @@ from torch import Tensor, nn
 from app.families import winograd
 
 
+def fewest_cells(padding_mode: str) -> int:
+    """The fewest cells along H and W a map padded by ``padding_mode`` takes: reflection needs
+    two (one cell has nothing to reflect, and torch refuses it), zeros or edges one."""
+    return 2 if padding_mode == "reflect" else 1
+
+
 def to_model(z: Tensor, weight: Tensor) -> Tensor:
     """Move a latent to the weights' device, dtype and memory format (of a conv weight with
     a spatial kernel: a 1x1 one is contiguous in every format)."""

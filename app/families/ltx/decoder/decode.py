@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from app.families.decoder import VAEDecoder
 from app.families.ltx.decoder import ltx2, streaming
 from app.families.ltx.decoder.model import DEFAULT_FPS, Architecture
+from app.families.ops import fewest_cells
 from app.telemetry import timing
 
 DEFAULT_CHUNK_FRAMES = 2  # latent frames per streamed chunk
@@ -88,7 +89,7 @@ class Decoder(Architecture, VAEDecoder):
 
     @property
     def min_cells(self) -> int:
-        return 2 if getattr(self.spec, "padding_mode", "zeros") == "reflect" else 1  # LTX-2
+        return fewest_cells(getattr(self.spec, "padding_mode", "zeros"))  # LTX-2's spec has one
 
     @property
     def temporal_scale(self) -> int:

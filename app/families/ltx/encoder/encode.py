@@ -44,6 +44,7 @@ from app.families.ltx.encoder.model import (
     EncoderNet,
     EncoderSpec,
 )
+from app.families.ops import fewest_cells
 
 VERSION_LTX2 = "ltx2"
 TILE_SAMPLE_SIZE = 512  # diffusers' tile_sample_min_height / _width
@@ -167,7 +168,7 @@ class Encoder(VAEEncoder):
 
     @property
     def min_cells(self) -> int:
-        return 2 if self.spec.padding_mode == "reflect" else 1
+        return fewest_cells(self.spec.padding_mode)
 
     @property
     def temporal_scale(self) -> int:

@@ -31,6 +31,7 @@ from app.families.encoder import Clip, VAEEncoder
 from app.families.encoder_memory import Level, peak_values
 from app.families.minimax_h3.decoder.schedule import split_tiles, stitch_tiles
 from app.families.minimax_h3.encoder.model import EncoderNet, EncoderSpec
+from app.families.ops import fewest_cells
 
 TILE_SAMPLE_SIZE = 256  # diffusers' tile_sample_min_height / _width
 TILE_SAMPLE_OVERLAP = 64  # diffusers' tile_sample_min_overlap_height / _width
@@ -99,7 +100,7 @@ class Encoder(VAEEncoder):
 
     @property
     def min_cells(self) -> int:
-        return 2 if self.spec.padding_mode == "reflect" else 1
+        return fewest_cells(self.spec.padding_mode)
 
     @property
     def temporal_scale(self) -> int:
