@@ -130,6 +130,14 @@ def test_channels_last_rms_norm_is_the_norm(video):
             assert got.is_contiguous(memory_format=layout) == inner
 
 
+def test_fused_statistics_only_on_the_cpu():
+    """CUDA's LayerNorm refuses a float32 weight beside a bf16 input (the H200 proof of
+    2026-12-04, the channels_last_3d layout): off the CPU the norm takes the reference's
+    reduction, even where the channels are innermost."""
+    x = torch.empty(2, 24, 3, 5, 4, dtype=torch.bfloat16, device="meta")
+    assert ops.channel_mean_square(x.contiguous(memory_format=torch.channels_last_3d)) is None
+
+
 @pytest.mark.parametrize("name", ["wan2.1", "wan2.2"])
 @torch.no_grad()
 def test_stream_yields_frames_in_order(pairs, name):

@@ -76,12 +76,15 @@ def conv3d_direct(
 
 def channel_mean_square(x: Tensor) -> Tensor | None:
     """``x.float().square().mean(1, keepdim=True)`` from a fused LayerNorm's float32
-    statistics (var + mean^2), or None when ``x``'s channels are not innermost in memory.
+    statistics (var + mean^2), or None when ``x``'s channels are not innermost in memory or
+    ``x`` is not on the CPU.
 
-    PyTorch's own reductions over a short innermost dim run several times slower than its
-    LayerNorm, which computes these statistics in one pass (docs/BENCHMARKS.md)."""
+    On the CPU, PyTorch's own reductions over a short innermost dim run several times slower
+    than its LayerNorm, which computes these statistics in one pass (docs/BENCHMARKS.md). The
+    CUDA LayerNorm refuses a float32 weight beside a bf16 input (the H200 proof, 2026-12-04),
+    and the trick was never measured there: other devices take the reference's reduction."""
     last = x.movedim(1, -1)
-    if not last.is_contiguous():
+    if x.device.type != "cpu" or not last.is_contiguous():
         return None
     c = x.shape[1]
     stats = torch.promote_types(x.dtype, torch.float32)  # a float32 weight: float32 stats

@@ -2,8 +2,8 @@
 
 ``optimize``, on every device, computes each upsampler's nearest-2x + 3x3 conv as four 2x2
 convs on the low-res grid (``ops.PhaseConv``: the same sums, 4/9 of the FLOPs, no upsampled
-frames), and takes each RMSNorm's per-position scale from a fused LayerNorm's statistics where
-the channels are innermost (``ChannelsLastRMSNorm``). On the CPU it also
+frames), and gives each RMSNorm ``ChannelsLastRMSNorm`` (on the CPU, where the channels are
+innermost, its per-position scale from a fused LayerNorm's statistics). On the CPU it also
   * gives the float32 3x3 convs of 128 to 384 channels their Winograd operands
     (``winograd.py``; ``ops.conv3d`` then runs them by F(4x4, 3x3)). They take four times
     those weights' memory (docs/BENCHMARKS.md);

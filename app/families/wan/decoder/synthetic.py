@@ -75,6 +75,6 @@ def _near_copy(weight: torch.Tensor) -> None:
     current frame: identity on the last tap), plus the random part scaled x0.1."""
     half = weight.shape[0] // 2
     weight.mul_(0.1)
-    eye = torch.eye(half, weight.shape[1])
+    eye = torch.eye(half, weight.shape[1], device=weight.device, dtype=weight.dtype)
     weight[:half, :, -1, 0, 0] += eye
     weight[half:, :, -1, 0, 0] += eye
