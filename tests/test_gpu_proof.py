@@ -9,6 +9,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -171,3 +173,50 @@ def test_video_section_on_the_cpu_serves_parities_and_times_one_family():
     assert r["video_parity"][0]["passed"]
     assert {x["layout"] for x in r["video_layout"]} == {"NCDHW", "channels_last_3d"}
     assert {x["value"] for x in r["video_choices"]} >= {2, 4}
+
+
+def _measured(pattern: str):
+    """Every committed GPU proof's JSON matching ``pattern`` (docs/gpu/)."""
+    return [json.loads(p.read_text()) for p in sorted((ROOT / "docs/gpu").glob(pattern))]
+
+
+def test_each_gpu_margin_covers_the_peak_the_h200_measured():
+    """A GPU plans ``working_bytes`` x the family's ``gpu_margin``: that covers every peak a
+    committed H200 proof measured, video rows (their estimate beside their peak) and the FLUX
+    rows of runs 3 and 4 (the estimate recomputed from the published config)."""
+    from app.families import family
+    from app.families.flux.decoder.model import FLUX1_CONFIG
+
+    video = _video_proof()
+    family_of = {m.name: m.family for m in video.MODELS}
+    rows = [r for d in _measured("*-video.json") for r in d.get("video", [])]
+    served = [r for r in rows if r["device"] == "cuda" and r["variant"] == "service"]
+    assert served, "no committed H200 video rows"
+    for r in served:
+        margin = family(family_of[r["family"]]).decoder.module.gpu_margin
+        assert r["estimate_mib"] * margin >= r["peak_mib"], r
+    with torch.device("meta"):
+        flux = family("flux").decoder.module(FLUX1_CONFIG)
+    flux_rows = [r for d in _measured("*-h200-run[34].json") for r in d.get("flux", [])]
+    assert flux_rows, "no committed H200 FLUX rows"
+    for r in (r for r in flux_rows if r["variant"] == "service bfloat16"):
+        cells = r["size"] // flux.spatial_scale
+        estimate = flux.working_bytes((r["batch"], 16, cells, cells), 2) / 2**20
+        assert estimate * flux.gpu_margin >= r["peak_mib"], r
+
+
+def test_the_gpu_wheels_carry_every_dependency_the_gpu_image_lacks():
+    """The lent GPU machine is offline: a dependency neither carried by scripts/gpu_wheels.sh
+    nor in its image stops the proof's HTTP sections at import (fastapi-offline, 2026-12-04)."""
+    import re
+    import tomllib
+
+    def names(words):
+        return {re.split(r"[=<>;\[ ]", w.strip())[0].lower().replace("_", "-") for w in words}
+
+    script = (ROOT / "scripts/gpu_wheels.sh").read_text()
+    listed = {k: names(re.search(rf"^{k}=\(([^)]*)\)", script, re.M).group(1).split())
+              for k in ("WHEELS", "THERE")}  # fmt: skip
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    missing = names(project["dependencies"]) - listed["WHEELS"] - listed["THERE"]
+    assert not missing, f"add to scripts/gpu_wheels.sh: {sorted(missing)}"

@@ -109,13 +109,13 @@ def test_a_decode_that_needs_more_working_memory_than_the_cap_is_refused(server)
     assert decode(server, [1, 16, fits, fits], image_format="png").status_code == 200
 
 
-def meta_geometry(family: str, config: dict) -> ModelGeometry:
+def meta_geometry(family: str, config: dict, dtype: torch.dtype = torch.float32) -> ModelGeometry:
     """A full-size decoder's geometry and memory estimate, built on the meta device (its
-    config, not its weights)."""
+    config, not its weights), which plans as a GPU does (``gpu_margin``)."""
     from app.families import family as described
 
     with torch.device("meta"):
-        decoder = described(family).decoder.module(config)
+        decoder = described(family).decoder.module(config).to(dtype)
     return ModelGeometry.of(decoder)
 
 
@@ -149,9 +149,9 @@ def test_the_default_decoder_memory_cap_admits_one_2048_flux_image_not_three():
     from app.families.flux.decoder.model import FLUX1_CONFIG
     from app.protocol.shapes import check_declared
 
-    geo, limits = meta_geometry("flux", FLUX1_CONFIG), Limits()
+    geo, limits = meta_geometry("flux", FLUX1_CONFIG, torch.bfloat16), Limits()  # as on a GPU
     one = parse_params([("shape", "[1,16,256,256]")])
-    check_declared(one, "tensor/binary", geo, limits, Output.IMAGE)  # ~6 GiB, as measured
+    check_declared(one, "tensor/binary", geo, limits, Output.IMAGE)  # ~8 GiB, as measured
     three = parse_params([("shape", "[3,16,256,256]"), ("output_type", "pt")])
     with pytest.raises(ProtocolError, match="working memory"):
         check_declared(three, "tensor/binary", geo, limits, Output.UINT8)

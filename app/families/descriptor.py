@@ -64,7 +64,8 @@ class Family:
     encoder: Part | None = None
     synthetic: Mapping[str, Recipe] = field(default_factory=dict)
     preview: PreviewFormat = no_preview
-    # the 3-D conv weight layout of the family's copy on a GPU (NCDHW or channels_last_3d)
+    # the 3-D conv weight layout of the family's copy on a GPU (NCDHW or channels_last_3d):
+    # NCDHW measured as fast or faster for LTX, LTX-2 and MiniMax-H3 (docs/gpu/README.md)
     gpu_conv3d_layout: str = "NCDHW"
     # rows of ``python -m bench all``: row name -> the bench module measuring it against its
     # peer (``table_setup``); a family without one is benched on its own served path

@@ -42,6 +42,7 @@ class Decoder(Architecture, VAEDecoder):
     output_space = "signed"
     channels_last = True
     cpu_margin = 1.35  # the exact (NCHW) decoder's oneDNN copies (docs/decoders.md)
+    gpu_margin = 1.35  # the H200 proof's peak over the estimate (docs/decoders.md)
     supports_tiling = True  # row bands (fast.decode_banded): exact, less memory
     exact_tiling = True
 

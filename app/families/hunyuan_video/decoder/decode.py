@@ -34,6 +34,7 @@ class Decoder(Architecture, VAEDecoder):
     native_size = (720, 1280)
     supports_tiling = True
     cpu_margin = 1.6  # each padded conv input's copy in oneDNN's layout (docs/decoders.md)
+    gpu_margin = 1.4  # the H200 proof's peak over the estimate (docs/decoders.md)
     winograd_max_channels = 256  # CPU fast path: the 512-channel convs keep direct kernels
 
     # --- geometry ---------------------------------------------------------------------------

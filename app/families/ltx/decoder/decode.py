@@ -31,9 +31,10 @@ from app.families.ops import fewest_cells
 from app.telemetry import timing
 
 DEFAULT_CHUNK_FRAMES = 2  # latent frames per streamed chunk
-# Latent frames per chunk by device type (issue 23.7): 2 keeps a CPU chunk in cache; a GPU
-# keeps 2 until the GPU proof's `video` section measures GPU_CHUNK_CANDIDATES on a card.
-CHUNK_FRAMES = {"cpu": DEFAULT_CHUNK_FRAMES, "cuda": DEFAULT_CHUNK_FRAMES}
+# Latent frames per chunk by device type (issue 23.7): 2 keeps a CPU chunk in cache; on a GPU
+# 4, where the H200 proof's `video` section measured the knee of GPU_CHUNK_CANDIDATES (time
+# against peak memory: docs/gpu/README.md).
+CHUNK_FRAMES = {"cpu": DEFAULT_CHUNK_FRAMES, "cuda": 4}
 GPU_CHUNK_CANDIDATES = (2, 4, 8)
 
 
@@ -59,6 +60,7 @@ class Decoder(Architecture, VAEDecoder):
     native_size = (512, 768)  # LTX-Video 0.9.x (LTX-2 renders larger)
     supports_tiling = True  # blended spatial tiles: approximate, never on by default
     cpu_margin = 1.4  # the resident set's growth in bf16 at full width (docs/decoders.md)
+    gpu_margin = 1.35  # the H200 proof's peak over the estimate (docs/decoders.md)
     winograd_max_channels = 256  # CPU fast path: the 512/1024-channel convs stay direct
 
     def __init__(self, config: dict[str, Any]) -> None:
