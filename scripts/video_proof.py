@@ -279,8 +279,10 @@ class VideoSection:
                 rung, _ = planned_rung(runner, decoder, tuple(z.shape))
                 if rung == "refused":
                     raise OutOfMemory("planned refused")
-                out = runner.decode(served, DecodeRequest(z), timer)
-                devices.synchronize(self.device)
+                with _StagePeaks(decoder, self.device, base) as stages:
+                    out = runner.decode(served, DecodeRequest(z), timer)
+                    devices.synchronize(self.device)
+                fields["stage_peaks"] = stages.peaks
                 fields.update(ok=True, output=list(out.shape), dtype=str(out.dtype)[6:])
                 del out
             except Exception as exc:
@@ -299,6 +301,8 @@ class VideoSection:
             self.rows.append(row(model, size, self.device.type, "service", **fields))
             print(f"  {model.name} {size} service {run}: {fields['ms']} ms, rung {rung}, "
                   f"peak {fields['peak_mib']} MiB {fields.get('error', '')}", flush=True)  # fmt: skip
+            if fields.get("stage_peaks"):
+                print(f"    peak set in: {fields['stage_peaks']}", flush=True)
 
     # --- diffusers on the same card ------------------------------------------------------
     def diffusers(self, model: VideoModel, fast: Any, size) -> None:
@@ -626,6 +630,46 @@ def _timed_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 1) -> 
 
 def _element_size(decoder: Any) -> int:
     return next(decoder.parameters()).element_size()
+
+
+class _StagePeaks:
+    """Where one decode's peak memory is set, on a GPU: each stage (``decoder.stages()``) that
+    raised the running peak, with that peak and the memory live when it started (MiB above
+    ``base``; ``between stages`` for a rise outside them: assembly, blending, postprocess).
+    Empty elsewhere. It says which part of the estimate misses on a GPU (docs/decoders.md)."""
+
+    def __init__(self, decoder: Any, device: torch.device, base: int) -> None:
+        self.device, self.base = device, base
+        self.stages = decoder.stages() if device.type == "cuda" else []
+        self.peaks: dict[str, dict[str, int]] = {}
+        self.handles: list[Any] = []
+        self.top, self.live = 0, 0  # the running peak and the live memory at the last check
+
+    def __enter__(self) -> _StagePeaks:
+        for name, module in self.stages:
+            self.handles += [
+                module.register_forward_pre_hook(lambda m, a: self._check("between stages")),
+                module.register_forward_hook(lambda m, a, o, n=name: self._check(n)),
+            ]
+        if self.stages:
+            self.top, self.live = torch.cuda.max_memory_allocated(self.device), self.base
+        return self
+
+    def _check(self, name: str) -> None:
+        """Attribute a rise of the running peak since the last check to ``name``."""
+        peak = torch.cuda.max_memory_allocated(self.device)
+        if peak > self.top:
+            entry = self.peaks.setdefault(name, {"peak_mib": 0, "live_at_start_mib": 0})
+            entry["peak_mib"] = max(entry["peak_mib"], mib(peak - self.base) or 0)
+            live = mib(self.live - self.base) or 0
+            entry["live_at_start_mib"] = max(entry["live_at_start_mib"], live)
+        self.top, self.live = max(peak, self.top), _allocated(self.device)
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if self.stages:
+            self._check("between stages")
 
 
 def _allocated(device: torch.device) -> int:

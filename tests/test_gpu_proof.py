@@ -220,3 +220,27 @@ def test_the_gpu_wheels_carry_every_dependency_the_gpu_image_lacks():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     missing = names(project["dependencies"]) - listed["WHEELS"] - listed["THERE"]
     assert not missing, f"add to scripts/gpu_wheels.sh: {sorted(missing)}"
+
+
+def test_the_stage_that_sets_a_decodes_gpu_peak_is_named(monkeypatch):
+    """The video proof names the stage during which a GPU decode's peak memory rose (CUDA's
+    counters stood in for by a counter one stage raises), and a rise after the last stage."""
+    from app.families import family
+
+    video = _video_proof()
+    part = family("ltx").decoder
+    decoder = part.module(dict(family("ltx").synthetic["ltx-tiny"].config)).eval()
+    names = [name for name, _ in decoder.stages()]
+    memory = {"peak": 100 << 20, "live": 100 << 20}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: memory["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: memory["live"])
+    raiser = dict(decoder.stages())[names[1]]
+    raiser.register_forward_hook(lambda *_: memory.update(peak=900 << 20, live=300 << 20))
+    with torch.no_grad(), video._StagePeaks(decoder, torch.device("cuda"), 100 << 20) as peaks:
+        decoder.decode(torch.randn(1, 128, 2, 4, 4))
+        memory["peak"] = 1000 << 20  # the output's assembly, after every stage
+    assert peaks.peaks == {
+        names[1]: {"peak_mib": 800, "live_at_start_mib": 0},
+        "between stages": {"peak_mib": 900, "live_at_start_mib": 200},
+    }
+    assert video._StagePeaks(decoder, torch.device("cpu"), 0).stages == []
