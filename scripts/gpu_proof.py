@@ -546,10 +546,14 @@ class Proof:
 
     # --- video ----------------------------------------------------------------------------
     def video(self) -> None:
-        _video_proof().VideoSection(self, _kernel_profile).run()
-        self.report["video_choices"] += _video_proof().flux_band_rows(self.device, self.quick)
-        self.write()
-        self._video_mp4()
+        video = _video_proof()
+        chosen = video.steps()
+        video.VideoSection(self, _kernel_profile).run()
+        if "bands" in chosen:
+            self.report["video_choices"] += video.flux_band_rows(self.device, self.quick)
+            self.write()
+        if "mp4" in chosen:
+            self._video_mp4()
 
     def _video_mp4(self) -> None:
         """One MP4 of LTX 0.9.1 121x512x768 (quick: ltx-tiny, 33 frames) over HTTP from a

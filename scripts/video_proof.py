@@ -15,6 +15,8 @@ then an emulated L4 (``VAE_DEVICE_MEMORY_GB=21.5``) with every model resident: e
 Everywhere: the estimate, live peak and the runner's rung of each real size on the meta device
 under the L4 budget. ``--quick`` on a CPU runs the device code at tiny sizes.
 Rows go to ``report["video"]`` (the schema of issue 23); the rest to ``report["video_*"]``.
+``PROOF_VIDEO_STEPS`` (comma-separated, of ``STEPS``) runs only those steps: a rerun after a
+timeout skips what the last run measured (device time is short).
 """
 
 from __future__ import annotations
@@ -97,6 +99,17 @@ MODELS = (
         (9, 64, 64),
     ),  # fmt: skip
 )
+
+
+STEPS = ("service", "parity", "kernels", "layout", "choices", "diffusers", "l4", "bands", "mp4")
+
+
+def steps() -> set[str]:
+    """The steps ``PROOF_VIDEO_STEPS`` names (all by default); an unknown name is an error."""
+    chosen = {n for n in os.environ.get("PROOF_VIDEO_STEPS", "").split(",") if n}
+    if chosen - set(STEPS):
+        raise SystemExit(f"PROOF_VIDEO_STEPS: unknown {sorted(chosen - set(STEPS))}; of {STEPS}")
+    return chosen or set(STEPS)
 
 
 def latent_shape(decoder: Any, frames: int, height: int, width: int) -> tuple[int, ...]:
@@ -230,19 +243,23 @@ class VideoSection:
         instrument(fast.stages())
         served = _served(model, reference, fast, self.device, mode)
         print(f"  {model.name}: built in {time.perf_counter() - t0:.1f} s", flush=True)
-        for size in self.sizes(model):
-            self.service(model, served, size)
+        chosen, size = steps(), self.sizes(model)[0]
+        for each in self.sizes(model) if "service" in chosen else ():
+            self.service(model, served, each)
             self.proof.write()
-        size = self.sizes(model)[0]
-        self.parity(model, reference, fast, size)
-        self.kernels(model, fast, size)
-        self.layout(model, served, size)
-        self.choices(model, served, size)
+        if "parity" in chosen:
+            self.parity(model, reference, fast, size)
+        if "kernels" in chosen:
+            self.kernels(model, fast, size)
+        if "layout" in chosen:
+            self.layout(model, served, size)
+        if "choices" in chosen:
+            self.choices(model, served, size)
         del reference  # the float32 copy: only the served one stays for the L4 pass
         served.reference = fast
         _empty(self.device)
-        for size in self.sizes(model):
-            self.diffusers(model, fast, size)
+        for each in self.sizes(model) if "diffusers" in chosen else ():
+            self.diffusers(model, fast, each)
             self.proof.write()
         self.resident[model.name] = served
 
@@ -436,7 +453,7 @@ class VideoSection:
 
     # --- an L4 emulated, every model resident ------------------------------------------------
     def l4(self) -> None:
-        if not self.resident:
+        if not self.resident or "l4" not in steps():
             return
         if not self.cuda:  # the meta rows hold the CPU's answer under the same budget
             self.proof.note("video l4: the meta rows plan every size under 21.5 GiB")

@@ -9,6 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,6 +174,23 @@ def test_video_section_on_the_cpu_serves_parities_and_times_one_family():
     assert r["video_parity"][0]["passed"]
     assert {x["layout"] for x in r["video_layout"]} == {"NCDHW", "channels_last_3d"}
     assert {x["value"] for x in r["video_choices"]} >= {2, 4}
+
+
+def test_video_steps_run_only_what_proof_video_steps_names(monkeypatch):
+    """A rerun after a timeout takes only the steps it names (device time is short): layouts
+    and choices here, no service, parity, kernels or diffusers rows; an unknown step stops."""
+    video = _video_proof()
+    report = _Report(torch.device("cpu"))
+    section = video.VideoSection(report, _gpu_proof()._kernel_profile)
+    monkeypatch.setenv("PROOF_VIDEO_STEPS", "layout,choices")
+    section.one_model(next(m for m in video.MODELS if m.name == "wan-2.1"))
+    r = report.report
+    assert r["ok"], r["errors"]
+    assert r["video_layout"] and r["video_choices"]
+    assert not r["video"] and not r["video_parity"] and not r.get("video_peer_cos")
+    monkeypatch.setenv("PROOF_VIDEO_STEPS", "layout,nosuch")
+    with pytest.raises(SystemExit, match="nosuch"):
+        video.steps()
 
 
 def _measured(pattern: str):
