@@ -11,6 +11,7 @@ import json
 import re
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +27,13 @@ from tests.helpers import upload_and_read
 from tests.live import TINY_FLUX, bake, live_server
 
 
-def flux_tiny_work(side: int) -> int:
+def flux_tiny_work(side: int, tiled: bool = False) -> int:
     """What the CPU plans for flux-tiny decoding a [1,16,side,side] latent in float32 (its
-    own estimate times its ``cpu_margin``)."""
+    own estimate times its ``cpu_margin``; ``tiled``: in row bands)."""
     from app.families import family
 
     decoder = family("flux").decoder.module(TINY_FLUX["flux-tiny"])
-    return decoder.planned_bytes((1, 16, side, side), 4)
+    return decoder.planned_bytes((1, 16, side, side), 4, tiled)
 
 
 # tiny caps, so tiny requests cross them: a 1 MiB response; the decoder memory of a 128x128
@@ -95,18 +96,40 @@ def test_a_response_larger_than_the_output_cap_is_refused_with_the_numbers(serve
     assert decode(server, [1, 16, 16, 16], output_type="pt").status_code == 200  # 0.2 MiB
 
 
-def test_a_decode_that_needs_more_working_memory_than_the_cap_is_refused(server):
+def test_a_decode_over_the_memory_cap_is_decoded_tiled_else_refused(server):
     """The 413 follows the decoder's own estimate (on the CPU times its ``cpu_margin``): the
-    largest square latent within the cap decodes, the next size up is refused."""
+    largest square latent within the cap decodes whole; past it a family that tiles is decoded
+    tiled (FLUX's row bands) while the tiled plan fits, and the next size up is refused,
+    naming the tiled plan."""
     cap = CAPS["max_decode_mb"] << 20
-    fits = max(s for s in range(1, 73) if flux_tiny_work(s) <= cap)  # 72: the 1 MiB PNG cap
-    assert fits < 72, "the estimate admits every latent the output cap lets through"
-    r = decode(server, [1, 16, fits + 1, fits + 1], image_format="png")
+    whole = max(s for s in range(1, 73) if flux_tiny_work(s) <= cap)  # 72: the 1 MiB PNG cap
+    tiled = max(s for s in range(1, 73) if flux_tiny_work(s, tiled=True) <= cap)
+    assert whole < tiled < 72, "the caps do not separate the whole, tiled and refused sizes"
+    for side in (whole, whole + 1, tiled):
+        r = decode(server, [1, 16, side, side], image_format="png")
+        assert r.status_code == 200, (side, r.text[:300])
+    r = decode(server, [1, 16, tiled + 1, tiled + 1], image_format="png")
     assert r.status_code == 413, r.text[:300]
     error = r.json()["error"]
-    assert "working memory" in error and f"{CAPS['max_decode_mb']:.1f} MiB" in error
-    assert f"{flux_tiny_work(fits + 1) / (1 << 20):.1f} MiB" in error
-    assert decode(server, [1, 16, fits, fits], image_format="png").status_code == 200
+    assert "working memory even tiled" in error and f"{CAPS['max_decode_mb']:.1f} MiB" in error
+    assert f"{flux_tiny_work(tiled + 1, tiled=True) / (1 << 20):.1f} MiB" in error
+
+
+def test_hunyuan_video_at_its_native_sizes_is_admitted_tiled_by_the_default_caps():
+    """HunyuanVideo 61x544x960 and 129x720x1280 plan 27 and 48 GiB whole on a GPU, over the
+    default 16 GiB ``VAE_MAX_DECODE_MB``: admitted, since the runner decodes them tiled (a few
+    GiB), as diffusers' pipelines do at these sizes; a cap under the tiled plan refuses them."""
+    from app.protocol.shapes import check_declared
+    from scripts.video_proof import HUNYUAN_VIDEO
+
+    geo, limits = meta_geometry("hunyuan-video", HUNYUAN_VIDEO, torch.bfloat16), Limits()
+    for shape in ("[1,16,16,68,120]", "[1,16,33,90,160]"):
+        latent = parse_params([("shape", shape)])
+        assert geo.planned_bytes(tuple(json.loads(shape))) > limits.max_decode_bytes
+        check_declared(latent, "tensor/binary", geo, limits, Output.MP4)
+    small = replace(limits, max_decode_bytes=geo.tiled_planned_bytes((1, 16, 33, 90, 160)) - 1)
+    with pytest.raises(ProtocolError, match="even tiled"):
+        check_declared(latent, "tensor/binary", geo, small, Output.MP4)
 
 
 def meta_geometry(family: str, config: dict, dtype: torch.dtype = torch.float32) -> ModelGeometry:

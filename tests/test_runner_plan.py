@@ -19,24 +19,32 @@ from app.families.ltx.decoder import ltx2
 from app.families.minimax_h3.decoder.model import DEFAULTS as MINIMAX_DEFAULTS
 from app.runtime.runner import PLANNING_SHARE, Runner
 from app.telemetry.metrics import Metrics
-from tests.test_memory_estimate import CASES, WAN_21, latent_shape, served_on_meta
+from tests.test_memory_estimate import (
+    CASES,
+    HUNYUAN_VIDEO,
+    WAN_21,
+    latent_shape,
+    served_on_meta,
+)
 
 L4_BYTES = int(21.5 * 2**30)  # what VAE_DEVICE_MEMORY_GB=21.5 emulates
 UNTILED = sorted({(f, tuple(s)): c for f, c, s, _ in CASES}.items())
 
 
-def first_plan(family: str, config: dict, size: tuple[int, int, int]):
-    """(the runner's first attempt, the decoder, the latent shape, the planning budget)."""
+def first_plan(family: str, config: dict, size: tuple[int, int, int], card: int = L4_BYTES):
+    """(the runner's first attempt, the decoder, the latent shape, the planning budget) on a
+    card of ``card`` bytes, the default ``VAE_MAX_DECODE_MB`` (16 GiB) per request."""
     decoder = served_on_meta(family, config)
     weights = sum(p.numel() * p.element_size() for p in decoder.parameters())
-    runner = Runner(Metrics(), budget=L4_BYTES - weights)  # the model resident on the card
+    runner = Runner(Metrics(), budget=card - weights)  # the model resident on the card
     shape = latent_shape(decoder, *size)
     # a served model whose gate passed every check: every decode runs on its fast copy
     model = SimpleNamespace(
         part="decoder", active=decoder, fast=decoder, compiled={}, decoder_for=lambda _: decoder
     )
     attempt = runner._first_attempt(model, torch.empty(shape, device="meta"))
-    return attempt, decoder, shape, int((L4_BYTES - weights) * PLANNING_SHARE)
+    budget = min(int((card - weights) * PLANNING_SHARE), runner.max_planned_bytes)
+    return attempt, decoder, shape, budget
 
 
 def untiled(attempt, decoder) -> bool:
@@ -73,3 +81,25 @@ def test_fits_untiled_else_tiled_that_fits(family, size, config) -> None:
 def test_served_whole_on_an_l4(family, config, size) -> None:
     attempt, decoder, *_ = first_plan(family, config, size)
     assert untiled(attempt, decoder) and attempt.label == "served"
+
+
+H200_BYTES = int(139.8 * 2**30)
+
+
+@pytest.mark.parametrize(
+    ("family", "config", "size", "whole"),
+    [
+        ("hunyuan-video", HUNYUAN_VIDEO, (129, 720, 1280), False),
+        ("hunyuan-video", HUNYUAN_VIDEO, (61, 544, 960), False),
+        ("wan", WAN_21, (81, 720, 1280), True),
+        ("ltx", ltx2.DEFAULTS, (121, 704, 1216), True),
+    ],
+    ids=["hunyuan-129x720x1280", "hunyuan-61x544x960", "wan-81x720x1280", "ltx2-121x704x1216"],
+)
+def test_a_large_card_tiles_what_one_request_may_not_plan_whole(family, config, size, whole):
+    """On an H200 HunyuanVideo at its native sizes would fit whole (27 and 48 GiB planned), but
+    one request may plan at most ``VAE_MAX_DECODE_MB`` (16 GiB): the runner decodes it tiled,
+    as the 413 check admitted it; what plans within the cap decodes whole."""
+    attempt, decoder, shape, budget = first_plan(family, config, size, H200_BYTES)
+    assert (decoder.planned_bytes((1, *shape[1:]), 2) <= budget) is whole
+    assert untiled(attempt, decoder) is whole and (attempt.tiled is True) is not whole

@@ -109,13 +109,16 @@ class VAEDecoder(nn.Module, ABC):
         test doubles only."""
         return 8 * self.output_values(latent_shape) * element_size
 
-    def planned_bytes(self, latent_shape: tuple[int, ...], element_size: int) -> int:
-        """What one untiled ``decode`` on this copy's device is planned to hold beyond the
-        weights (the 413 admission check, a micro-batch's rows): ``working_bytes`` times the
-        device's margin; on the CPU ``cpu_margin`` plus one copy of the largest conv weight
-        (oneDNN re-orders a conv's weight into a buffer of its own on every call), elsewhere
-        (a GPU; the meta device, where the GPU proof plans an L4) ``gpu_margin``."""
-        work = self.working_bytes(latent_shape, element_size)
+    def planned_bytes(
+        self, latent_shape: tuple[int, ...], element_size: int, tiled: bool = False
+    ) -> int:
+        """What one ``decode`` (``tiled`` as the runner would pass it) on this copy's device is
+        planned to hold beyond the weights (the 413 admission check, a micro-batch's rows):
+        ``working_bytes`` times the device's margin; on the CPU ``cpu_margin`` plus one copy of
+        the largest conv weight (oneDNN re-orders a conv's weight into a buffer of its own on
+        every call), elsewhere (a GPU; the meta device, where the GPU proof plans an L4)
+        ``gpu_margin``."""
+        work = self.working_bytes(latent_shape, element_size, tiled)
         if next(self.parameters()).device.type != "cpu":
             return int(work * self.gpu_margin)
         return int(work * self.cpu_margin) + self.largest_conv_weight()

@@ -66,12 +66,16 @@ class ModelGeometry:
     planned_bytes: Callable[[tuple[int, ...]], int] = lambda shape: 0
     fps: float | None = None  # the model's own MP4 frame rate, if its config has one
     min_cells: int = 1  # the fewest latent cells along H and W the decoder takes
+    # the same, decoded tiled: what the runner falls back to for a latent whose untiled plan
+    # exceeds the cap (None: the decoder does not tile)
+    tiled_planned_bytes: Callable[[tuple[int, ...]], int] | None = None
 
     @classmethod
     def of(cls, decoder: VAEDecoder) -> ModelGeometry:
         """The geometry of ``decoder``, its working memory estimated at its own dtype."""
         size = next(decoder.parameters()).element_size()
         fps = decoder.config.get("fps")
+        tiled = lambda shape: decoder.planned_bytes(tuple(shape), size, tiled=True)  # noqa: E731
         return cls(
             decoder.latent_channels,
             decoder.spatial_scale,
@@ -81,6 +85,7 @@ class ModelGeometry:
             lambda shape: decoder.planned_bytes(tuple(shape), size),
             float(fps) if isinstance(fps, int | float) and not isinstance(fps, bool) else None,
             decoder.min_cells,
+            tiled if decoder.supports_tiling else None,
         )
 
 
@@ -216,15 +221,7 @@ def check_shape(
             f"{kind.value}); the limit is {mib(limits.max_output_bytes)}",
             "a smaller latent, fewer frames, or output_type=mp4 / partial_postprocess=true",
         )
-    # the decoder's own estimate (the runner plans with the same one); an MP4 streams one video
-    work = 0 if kind is Output.PREVIEW else geo.planned_bytes(tuple(shape))  # no decoder
-    if work > limits.max_decode_bytes:
-        raise ProtocolError(
-            413,
-            f"decoding {b}x{frames} frames of {w}x{h} needs about {mib(work)} of working "
-            f"memory; the limit is {mib(limits.max_decode_bytes)}",
-            "a smaller latent or batch",
-        )
+    check_work(shape, kind, geo, limits, f"decoding {b}x{frames} frames of {w}x{h}")
     if kind is not Output.PREVIEW and min(shape[-2], shape[-1]) < geo.min_cells:
         raise ProtocolError(
             422,
@@ -235,6 +232,27 @@ def check_shape(
     if kind is not Output.PREVIEW:
         check_run(
             geo.planned_bytes((1, *shape[1:])), limits, f"decoding {frames} frames of {w}x{h}"
+        )
+
+
+def check_work(
+    shape: Sequence[int], kind: Output, geo: ModelGeometry, limits: Limits, what: str
+) -> None:
+    """413 for a decode whose plan exceeds ``VAE_MAX_DECODE_MB``: the decoder's own estimate
+    (the runner plans with the same one; an MP4 streams one video), tiled where one row's
+    untiled plan exceeds the cap and the decoder tiles (the runner then decodes it tiled)."""
+    if kind is Output.PREVIEW:  # no decoder runs
+        return
+    cap, row = limits.max_decode_bytes, (1, *shape[1:])
+    work, tiled = geo.planned_bytes(tuple(shape)), False
+    if work > cap and geo.tiled_planned_bytes is not None and geo.planned_bytes(row) > cap:
+        work, tiled = geo.tiled_planned_bytes(tuple(shape)), True
+    if work > cap:
+        raise ProtocolError(
+            413,
+            f"{what} needs about {mib(work)} of working memory{' even tiled' if tiled else ''}; "
+            f"the limit is {mib(cap)}",
+            "a smaller latent or batch",
         )
 
 

@@ -255,16 +255,19 @@ class Runner:
         return self._ladder(part, x, nxt, run)
 
     def _first_attempt(self, part: ServedPart, x: Any, asked: bool | None = None) -> Attempt:
-        """The served module when its planned memory fits the budget (on a GPU untiled; on the
-        CPU the family's own default, where the gate checked its tiles), else tiled, else
-        ``TooLarge`` (it never fits) or ``OutOfMemory`` (not now). ``asked``: the caller's own
-        ``tiled`` option (then it decides)."""
+        """The served module when its planned memory fits the budget and, where it tiles,
+        ``max_planned_bytes`` (on a GPU untiled; on the CPU the family's own default, where the
+        gate checked its tiles), else tiled, else ``TooLarge`` (it never fits) or
+        ``OutOfMemory`` (not now). ``asked``: the caller's own ``tiled`` option (then it
+        decides)."""
         module, graph = part.active, part.compiled.get(tuple(x.shape))
         tiles = getattr(module, "supports_tiling", False)
         if asked is not None:
             return Attempt(part.decoder_for(asked), None, "served")
         budget, one = self._budget(module), _planned(module, (1, *x.shape[1:]))
         on_cpu = _device_of(module).type == "cpu"
+        if tiles:  # tiled where the untiled plan exceeds what one request may plan (the 413's)
+            budget = min(budget, self.max_planned_bytes)
         if one <= budget:
             untiled = tiles and (not on_cpu or module is not part.decoder_for(True))
             return Attempt(module, False if untiled else None, "served", graph)
