@@ -112,6 +112,7 @@ def test_a_decode_over_the_memory_cap_is_decoded_tiled_else_refused(server):
     assert r.status_code == 413, r.text[:300]
     error = r.json()["error"]
     assert "working memory even tiled" in error and f"{CAPS['max_decode_mb']:.1f} MiB" in error
+    assert "VAE_MAX_DECODE_MB" in r.json()["expected"]  # the operator's setting that lifts it
     assert f"{flux_tiny_work(tiled + 1, tiled=True) / (1 << 20):.1f} MiB" in error
 
 

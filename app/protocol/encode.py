@@ -275,7 +275,7 @@ def _check_size(b: int, frames: int, h: int, w: int, geo: EncoderGeometry, limit
             413,
             f"encoding {b}x{frames} frames of {w}x{h} needs about {mib(work)} of working "
             f"memory; the limit is {mib(limits.max_decode_bytes)}",
-            "a smaller input",
+            "a smaller input (or a larger VAE_MAX_DECODE_MB, where the host has it)",
         )
     check_run(geo.planned_bytes((1, *shape[1:])), limits, f"encoding {frames} frames of {w}x{h}")
     if min(h, w) < geo.spatial_scale * geo.min_cells:

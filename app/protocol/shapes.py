@@ -252,7 +252,7 @@ def check_work(
             413,
             f"{what} needs about {mib(work)} of working memory{' even tiled' if tiled else ''}; "
             f"the limit is {mib(cap)}",
-            "a smaller latent or batch",
+            "a smaller latent or batch (or a larger VAE_MAX_DECODE_MB, where the host has it)",
         )
 
 
