@@ -943,6 +943,17 @@ def video_markdown(r: dict) -> list[str]:
                  v["peak_mib"], v.get("reserved_mib"), v["ms"], v["budget_mib"],
                  v.get("retries") or v.get("error", "")]  # fmt: skip
         lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    staged = [v for v in r["video"] if v.get("stage_peaks")]
+    if staged:
+        lines += ["", "Where each service decode's peak was set (a stage that raised the running "
+                  "peak; MiB above the weights):", "",
+                  "| family | frames x H x W | run | stage | peak MiB | live at its start MiB |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for v in staged:
+            for stage, at in v["stage_peaks"].items():
+                lines.append(f"| {v['family']} | {v['frames']}x{v['height']}x{v['width']} | "
+                             f"{v.get('run', '')} | {stage} | {at['peak_mib']} | "
+                             f"{at['live_at_start_mib']} |")  # fmt: skip
     lines += ["", "Parity, served bf16 vs float32 on the device (3 latent frames, full size):", "",
               "| family | latent | cosine | PSNR dB | passed |", "|---|---|---|---|---|"]  # fmt: skip
     for p in r.get("video_parity", []):

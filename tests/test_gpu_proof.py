@@ -262,3 +262,8 @@ def test_the_stage_that_sets_a_decodes_gpu_peak_is_named(monkeypatch):
         "between stages": {"peak_mib": 900, "live_at_start_mib": 200},
     }
     assert video._StagePeaks(decoder, torch.device("cpu"), 0).stages == []
+    row = {"family": "ltx-0.9.1", "frames": 9, "height": 32, "width": 32, "device": "cuda",
+           "variant": "service", "run": "warm", "rung": "whole", "estimate_mib": 1,
+           "peak_mib": 900, "ms": 1.0, "budget_mib": None, "stage_peaks": peaks.peaks}  # fmt: skip
+    text = "\n".join(_gpu_proof().video_markdown({"video": [row]}))
+    assert f"| ltx-0.9.1 | 9x32x32 | warm | {names[1]} | 800 | 0 |" in text
