@@ -346,6 +346,31 @@ def test_a_tiled_decode_whose_check_failed_runs_on_the_exact_path(tmp_path, tile
     assert torch.equal(untiled, model.fast.decode(z.float()).float())
 
 
+def test_a_latent_over_the_decode_cap_is_decoded_tiled_on_the_gated_path(tmp_path, tiled_family):
+    """A latent whose untiled plan exceeds ``VAE_MAX_DECODE_MB`` (the 413 admits it on its
+    tiled plan) is decoded tiled, whole and streamed, though the host holds the whole decode;
+    here the fast copy's tiles failed the gate, so the tiles run on the exact path."""
+    config = {**hunyuan_video.SYNTHETIC["hunyuan-video-tiny"], "break_tiled": True}
+    bake(tmp_path, "tiled-hunyuan", "broken", config)
+    z = torch.randn(1, 16, 1, 36, 36)
+    fast = _runtime(tmp_path, "broken", dtype="bfloat16").models["broken"].fast
+    size = next(fast.parameters()).element_size()  # the runner plans the served copy's
+    whole, tiled = (
+        fast.planned_bytes(tuple(z.shape), size),
+        fast.planned_bytes(tuple(z.shape), size, tiled=True),
+    )
+    assert tiled < whole, "the probe latent must plan less tiled than whole"
+    cap_mb = -(-tiled // (1 << 20))  # the tiled plan fits the cap, the whole one does not
+    assert whole > cap_mb << 20
+    runtime = _runtime(tmp_path, "broken", dtype="bfloat16", max_decode_mb=cap_mb)
+    model = runtime.models["broken"]
+    expected = model.reference.decode(z, tiled=True)
+    out = runtime.runner.decode(model, DecodeRequest(z, Output.TENSOR), PhaseTimer())
+    assert torch.equal(out, expected)
+    streamed = list(runtime.runner.stream(model, DecodeRequest(z, Output.TENSOR), PhaseTimer()))
+    assert torch.equal(torch.cat(streamed, 2), expected)
+
+
 # --- state, metrics, compile -------------------------------------------------------------------
 def test_a_default_model_that_is_not_loaded_is_said_at_startup(store, caplog):
     with caplog.at_level(logging.WARNING, logger="app.runtime.registry"):
