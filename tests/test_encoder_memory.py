@@ -108,6 +108,23 @@ def test_estimate_covers_measured_peak(family, label, config, shape, dtype, opti
     )
 
 
+@pytest.mark.parametrize(
+    ("family", "config", "shape"),
+    [("hunyuan-video", HUNYUAN_8, (1, 3, 9, 320, 448))],
+    ids=["hunyuan-video-/8-9x320x448"],
+)
+def test_tiled_estimate_covers_measured_peak(family, config, shape) -> None:
+    """The plan of a tiled encode (what the runner runs past ``VAE_MAX_DECODE_MB``): one
+    tile's pass and the window's tiles held for the blend."""
+    encoder = served_zeroed(described(family).encoder.module, config, Mode(F32, False))
+    assert encoder.supports_tiling
+    x = torch.rand(shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    peak = cpu_peak(lambda: encoder.moments(x, tiled=True))
+    estimate = encoder.working_bytes(shape, 4, tiled=True)
+    assert estimate < encoder.working_bytes(shape, 4)  # tiles plan less than the whole
+    assert 1.0 <= estimate / peak <= 1.5, (estimate >> 20, peak >> 20)
+
+
 def test_every_encoder_family_is_measured() -> None:
     """A family with an encoder measures its estimate here (docs/encoders.md, "Memory")."""
     assert {case[0] for case in CASES} == {k for k in keys() if described(k).encoder}

@@ -116,6 +116,24 @@ def test_a_decode_over_the_memory_cap_is_decoded_tiled_else_refused(server):
     assert f"{flux_tiny_work(tiled + 1, tiled=True) / (1 << 20):.1f} MiB" in error
 
 
+def test_hunyuan_video_clips_at_its_native_sizes_are_admitted_for_a_tiled_encode():
+    """The encoder plans 16.5 and 29 GiB whole in bf16 at 61x544x960 and 129x720x1280, over
+    the default cap: admitted on its tiled plan (the runner encodes them tiled); a cap under
+    the tiled plan refuses them, naming it."""
+    from app.families import family as described
+    from app.protocol.encode import EncoderGeometry, _check_size
+
+    with torch.device("meta"):
+        encoder = described("hunyuan-video").encoder.module({}).to(torch.bfloat16)
+    geo, limits = EncoderGeometry.of(encoder), Limits()
+    for frames, h, w in ((61, 544, 960), (129, 720, 1280)):
+        assert geo.planned_bytes((1, 3, frames, h, w)) > limits.max_decode_bytes
+        _check_size(1, frames, h, w, geo, limits)
+    small = replace(limits, max_decode_bytes=geo.tiled_planned_bytes((1, 3, 129, 720, 1280)) - 1)
+    with pytest.raises(ProtocolError, match="even tiled"):
+        _check_size(1, 129, 720, 1280, geo, small)
+
+
 def test_hunyuan_video_at_its_native_sizes_is_admitted_tiled_by_the_default_caps():
     """HunyuanVideo 61x544x960 and 129x720x1280 plan 27 and 48 GiB whole on a GPU, over the
     default 16 GiB ``VAE_MAX_DECODE_MB``: admitted, since the runner decodes them tiled (a few

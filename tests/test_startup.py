@@ -21,7 +21,7 @@ from app.families import tiling
 from app.families.hunyuan_video import decoder as hunyuan_video
 from app.http.decode import resolve_model
 from app.protocol.errors import ProtocolError
-from app.protocol.request import DecodeRequest, Output
+from app.protocol.request import DecodeRequest, EncodeRequest, Output
 from app.runtime import Runtime, compiled, gate, modes, references, selection
 from app.runtime.parts import ModelState
 from app.store import entry_dir, load_model
@@ -369,6 +369,28 @@ def test_a_latent_over_the_decode_cap_is_decoded_tiled_on_the_gated_path(tmp_pat
     assert torch.equal(out, expected)
     streamed = list(runtime.runner.stream(model, DecodeRequest(z, Output.TENSOR), PhaseTimer()))
     assert torch.equal(torch.cat(streamed, 2), expected)
+
+
+def test_an_input_over_the_encode_cap_is_encoded_tiled_on_the_exact_path(tmp_path):
+    """A clip whose untiled encode plans more than ``VAE_MAX_DECODE_MB`` is encoded in the
+    reference's spatial tiles, on the exact path (the encoder gate has no tiled check)."""
+    config = hunyuan_video.SYNTHETIC["hunyuan-video-tiny"]
+    bake(tmp_path, "hunyuan-video", "hv", config, encoder=True)
+    x = torch.rand(1, 3, 5, 264, 264, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    part = _runtime(tmp_path, "hv", dtype="bfloat16").encoders["hv"]
+    size = next(part.active.parameters()).element_size()
+    whole = part.active.planned_bytes(tuple(x.shape), size)
+    tiled = part.active.planned_bytes(tuple(x.shape), size, tiled=True)
+    cap_mb = -(-tiled // (1 << 20))
+    assert whole > cap_mb << 20, "the clip must plan more than the cap whole"
+    runtime = _runtime(tmp_path, "hv", dtype="bfloat16", max_decode_mb=cap_mb)
+    part = runtime.encoders["hv"]
+    assert not part.tiled_gated and part.decoder_for(True) is part.reference
+    chunks = list(runtime.runner.encode_chunks(part, EncodeRequest(x), PhaseTimer()))
+    with torch.inference_mode():
+        expected = part.reference.moments(x, tiled=True)
+    assert torch.equal(torch.cat(chunks, 2), expected)
+    assert not torch.equal(expected, part.reference.moments(x))  # the tiles are seen
 
 
 # --- state, metrics, compile -------------------------------------------------------------------

@@ -51,6 +51,10 @@ class VAEEncoder(nn.Module, ABC):
     gaussian: ClassVar[bool] = True
     # a served copy on the CPU lays its conv weights channels-last (modes.set_channels_last)
     channels_last: ClassVar[bool] = False
+    # ``moments`` / ``iter_moments`` take ``tiled=True`` (the reference's spatial tiles), and
+    # ``working_bytes(..., tiled=True)`` plans it: the runner tiles an input whose untiled plan
+    # exceeds what one request may plan (``VAE_MAX_DECODE_MB``), as for decoders
+    supports_tiling: ClassVar[bool] = False
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__()
@@ -126,17 +130,23 @@ class VAEEncoder(nn.Module, ABC):
         """Named stage modules (``conv_in``, ``down_0``..., ``mid``, ``conv_out``) for timing."""
         return []
 
-    def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
-        """Estimated device bytes of encoding an input of ``input_shape`` (batch included)."""
+    def working_bytes(
+        self, input_shape: tuple[int, ...], element_size: int, tiled: bool = False
+    ) -> int:
+        """Estimated device bytes of encoding an input of ``input_shape`` (batch included);
+        ``tiled`` only where the family ``supports_tiling``."""
         pixels = input_shape[0] * input_shape[-2] * input_shape[-1]
         frames = input_shape[2] if len(input_shape) == 5 else 1
         return pixels * frames * 512 * element_size
 
-    def planned_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
-        """What one ``moments`` is planned to hold beyond the weights (the 413 admission check
-        and a micro-batch's rows): ``working_bytes``, which each family measures on the CPU
-        already (tests/test_encoder_memory.py), so no margin as the decoders' has."""
-        return self.working_bytes(input_shape, element_size)
+    def planned_bytes(
+        self, input_shape: tuple[int, ...], element_size: int, tiled: bool = False
+    ) -> int:
+        """What one ``moments`` (``tiled`` as the runner would pass it) is planned to hold
+        beyond the weights (the 413 admission check and a micro-batch's rows):
+        ``working_bytes``, which each family measures on the CPU already
+        (tests/test_encoder_memory.py), so no margin as the decoders' has."""
+        return self.working_bytes(input_shape, element_size, tiled)
 
     def probe_input(self, generator: torch.Generator) -> Tensor:
         """A seeded input in [-1, 1] of a representative size, for the parity gate."""

@@ -72,10 +72,14 @@ class EncoderGeometry:
     planned_bytes: Callable[[tuple[int, ...]], int]
     frames_problem: Callable[[int], str] = lambda frames: ""  # "": encodable
     min_cells: int = 1  # the fewest latent cells along H and W the encoder makes
+    # the same, encoded tiled (where one input's untiled plan exceeds the cap the runner
+    # tiles); None: the encoder does not tile
+    tiled_planned_bytes: Callable[[tuple[int, ...]], int] | None = None
 
     @classmethod
     def of(cls, encoder: VAEEncoder) -> EncoderGeometry:
         size = next(encoder.parameters()).element_size()
+        tiled = lambda shape: encoder.planned_bytes(tuple(shape), size, tiled=True)  # noqa: E731
         return cls(
             encoder.family,
             encoder.spatial_scale,
@@ -83,6 +87,7 @@ class EncoderGeometry:
             lambda shape: encoder.planned_bytes(tuple(shape), size),
             encoder.frames_problem,
             encoder.min_cells,
+            tiled if encoder.supports_tiling else None,
         )
 
 
@@ -269,12 +274,15 @@ def _check_size(b: int, frames: int, h: int, w: int, geo: EncoderGeometry, limit
             f"at most {limits.max_frames} frames (VAE_MAX_FRAMES)",
         )
     shape = (b, 3, frames, h, w) if geo.is_video and frames > 1 else (b, 3, h, w)
-    work = geo.planned_bytes(shape)
-    if work > limits.max_decode_bytes:
+    cap, row = limits.max_decode_bytes, (1, *shape[1:])
+    work, tiled = geo.planned_bytes(shape), False
+    if work > cap and geo.tiled_planned_bytes is not None and geo.planned_bytes(row) > cap:
+        work, tiled = geo.tiled_planned_bytes(shape), True  # the runner encodes it tiled
+    if work > cap:
         raise ProtocolError(
             413,
             f"encoding {b}x{frames} frames of {w}x{h} needs about {mib(work)} of working "
-            f"memory; the limit is {mib(limits.max_decode_bytes)}",
+            f"memory{' even tiled' if tiled else ''}; the limit is {mib(cap)}",
             "a smaller input (or a larger VAE_MAX_DECODE_MB, where the host has it)",
         )
     check_run(geo.planned_bytes((1, *shape[1:])), limits, f"encoding {frames} frames of {w}x{h}")

@@ -248,7 +248,12 @@ class Registry:
                 raise RuntimeError(f"{_what(entry)}: {reason} and VAE_FALLBACK=off")
             log.warning("%s served on the float32 CPU fallback: %s", _what(entry), reason)
         fast = candidate.copy or entry.reference
-        tiled_gated = fast is entry.reference or report.tiled_passed(min_cos)
+        # a tiled run goes to the fast copy only where the gate checked its tiles (an encoder's
+        # probes have no tiled check yet: its tiled encodes run on the exact path)
+        tiles, checked = getattr(fast, "supports_tiling", False), entry.probes.tiled is not None
+        tiled_gated = fast is entry.reference or (
+            report.tiled_passed(min_cos) and (checked or not tiles)
+        )
         log.info(
             "%s: serving %s on %s (%s); gate reference %s",
             _what(entry),

@@ -158,7 +158,7 @@ class Runner:
         first = self._first_attempt(part, pixels)
 
         def run(attempt: Attempt, x: Tensor) -> list[Tensor]:
-            chunks = list(self._moments(attempt.decoder, x, timer))
+            chunks = list(self._moments(attempt, x, timer))
             return list(self.encode_finish(part, request, torch.cat(chunks, 2), timer).split(1))
 
         return self._ladder(part, pixels, first, run)
@@ -172,7 +172,7 @@ class Runner:
         while True:
             done: list[Tensor] = []
             try:
-                for chunk in self._moments(attempt.decoder, request.pixels, timer):
+                for chunk in self._moments(attempt, request.pixels, timer):
                     done.append(chunk)
                     yield chunk
                 return
@@ -184,15 +184,17 @@ class Runner:
             attempt = self._next_attempt(part, attempt)
             self._note_retry(part, failed, attempt.label)
 
-    def _moments(self, encoder: VAEEncoder, x: Any, timer: PhaseTimer) -> Iterator[Tensor]:
-        """The encoder's moments of ``x`` (pixels, or a clip read as it goes), chunk by chunk,
-        each on the host."""
+    def _moments(self, attempt: Attempt, x: Any, timer: PhaseTimer) -> Iterator[Tensor]:
+        """The attempt's encoder's moments of ``x`` (pixels, or a clip read as it goes), chunk
+        by chunk (tiled as the attempt says), each on the host."""
+        encoder = attempt.decoder
         device = _device_of(encoder)
         timer.device = device
         if isinstance(x, Tensor):
             with timer.active(), timer.device_phase("upload"):
                 x = x.to(device, _dtype_of(encoder))
-        chunks = encoder.iter_moments(_on_device(x, encoder) if not isinstance(x, Tensor) else x)
+        x = _on_device(x, encoder) if not isinstance(x, Tensor) else x
+        chunks = encoder.iter_moments(x, **_tiled(encoder, attempt.tiled))
         while True:
             with torch.inference_mode(), timer.active():
                 try:
@@ -452,8 +454,8 @@ def _download(x: Tensor) -> Tensor:
     return host
 
 
-def _tiled(decoder: VAEDecoder, tiled: bool | None) -> dict[str, Any]:
-    return {"tiled": tiled} if decoder.supports_tiling and tiled is not None else {}
+def _tiled(part: VAEDecoder | VAEEncoder, tiled: bool | None) -> dict[str, Any]:
+    return {"tiled": tiled} if part.supports_tiling and tiled is not None else {}
 
 
 def weight_bytes(module: nn.Module, device: torch.device) -> int:

@@ -122,7 +122,9 @@ class Encoder(EncoderModel):
             *(("conv_out", m) for m in (self.quant_conv,) if m is not None),
         ]
 
-    def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
+    def working_bytes(
+        self, input_shape: tuple[int, ...], element_size: int, tiled: bool = False
+    ) -> int:
         """The widest level's resnet (``memory``: the first, at full resolution, but on a
         tiny input), with the Winograd convs' block buffers where ``optimize`` prepared
         them, and the moments. The mid attention holds O(H*W) (``attend``)."""

@@ -74,6 +74,7 @@ class Encoder(VAEEncoder):
 
     is_video = True
     channels_last = True  # a served copy on the CPU: faster, less memory (docs/encoders.md)
+    supports_tiling = True
 
     def __init__(self, config: dict[str, Any]) -> None:
         super().__init__({**DEFAULTS, **config})
@@ -157,16 +158,34 @@ class Encoder(VAEEncoder):
         head = [net.conv_norm_out, net.conv_act, net.conv_out, self.quant_conv]
         return encoding.stages([net.conv_in], net.down_blocks, net.mid_block, head)
 
-    def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
+    def working_bytes(
+        self, input_shape: tuple[int, ...], element_size: int, tiled: bool = False
+    ) -> int:
         """One pass's widest level (``memory``) over one window (``TILE_SAMPLE_FRAMES`` + 1
         frames, or the whole clip when it is no longer), and the moments (the windows', the
-        kept ones and their concatenation). Attention holds O(T*H*W) (``attend``)."""
+        kept ones and their concatenation). Attention holds O(T*H*W) (``attend``). Tiled
+        (where the frame is larger than a tile): one tile's pass, and every tile's moments of
+        the window held for the blend."""
         b, frames = input_shape[0], input_shape[2] if len(input_shape) == 5 else 1
-        pixels = b * math.prod(input_shape[-2:])
+        h, w = input_shape[-2:]
+        pixels = b * h * w
         window = frames if frames <= TILE_SAMPLE_FRAMES else TILE_SAMPLE_FRAMES + 1
-        values = peak_values(self._levels(window, pixels), MAPS_PER_FRAME)
         cells = self.latent_frames(frames) * pixels // self.spatial_scale**2
-        return (values + 3 * 2 * self.spec.latent_channels * cells) * element_size
+        moments = 3 * 2 * self.spec.latent_channels * cells
+        if not tiled or max(h, w) <= TILE_SAMPLE_SIZE:
+            values = peak_values(self._levels(window, pixels), MAPS_PER_FRAME)
+            return (values + moments) * element_size
+        tiles = math.ceil(h / TILE_SAMPLE_STRIDE) * math.ceil(w / TILE_SAMPLE_STRIDE)
+        tile = b * min(h, TILE_SAMPLE_SIZE) * min(w, TILE_SAMPLE_SIZE)
+        values = peak_values(self._levels(window, tile), MAPS_PER_FRAME)
+        held = (
+            tiles
+            * 2
+            * self.spec.latent_channels
+            * self.latent_frames(window)
+            * (tile // self.spatial_scale**2)
+        )
+        return (values + held + moments) * element_size
 
     def _levels(self, frames: int, pixels: int) -> list[Level]:
         levels = []

@@ -303,7 +303,9 @@ class Encoder(VAEEncoder):
         head = [net.norm_out, net.conv_act, net.conv_out, net.shared_logvar]
         return encoding.stages([net.patchify, net.conv_in], net.down_blocks, net.mid_block, head)
 
-    def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
+    def working_bytes(
+        self, input_shape: tuple[int, ...], element_size: int, tiled: bool = False
+    ) -> int:
         """The widest level (``memory``) over one run, or conv_in's input where it is wider:
         the default stream's first chunk (``1 + chunk`` frames: flat in clip length) and its
         convs' carried frames, or the whole clip in one pass; and the moments (the chunks'

@@ -184,7 +184,9 @@ class Encoder(VAEEncoder):
         head = [net.norm_out, net.conv_act, net.conv_out, self.quant_conv]
         return encoding.stages([net.conv_in], net.down_blocks, None, head)
 
-    def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
+    def working_bytes(
+        self, input_shape: tuple[int, ...], element_size: int, tiled: bool = False
+    ) -> int:
         """One pass's widest level (``memory``) over one clip (``clip_length`` frames, or the
         one frame of an image) of one tile, the padded last clip (a copy of its frames) and the
         moments (the tiles', the clips' and their concatenation)."""

@@ -73,7 +73,9 @@ class Encoder(EncoderModel):
             ("conv_out", self.conv_out),
         ]
 
-    def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
+    def working_bytes(
+        self, input_shape: tuple[int, ...], element_size: int, tiled: bool = False
+    ) -> int:
         """The widest level's blocks (``memory``: the first, at full resolution), the input
         mapped to [0, 1] and the latent."""
         batch, height, width = input_shape[0], input_shape[-2], input_shape[-1]

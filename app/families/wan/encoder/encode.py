@@ -169,7 +169,9 @@ class Encoder(VAEEncoder):
         head = [net.norm_out, net.nonlinearity, net.conv_out, self.quant_conv]
         return encoding.stages([net.conv_in], net.down_blocks, net.mid_block, head)
 
-    def working_bytes(self, input_shape: tuple[int, ...], element_size: int) -> int:
+    def working_bytes(
+        self, input_shape: tuple[int, ...], element_size: int, tiled: bool = False
+    ) -> int:
         """The first (largest) chunk's widest level (``memory``), every causal conv's carried
         frames when more chunks follow, Wan 2.2's patchified chunk and the moments (each
         chunk's and their concatenation). Attention holds O(H*W) (``attend``)."""
