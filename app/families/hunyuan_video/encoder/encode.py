@@ -178,13 +178,8 @@ class Encoder(VAEEncoder):
         tiles = math.ceil(h / TILE_SAMPLE_STRIDE) * math.ceil(w / TILE_SAMPLE_STRIDE)
         tile = b * min(h, TILE_SAMPLE_SIZE) * min(w, TILE_SAMPLE_SIZE)
         values = peak_values(self._levels(window, tile), MAPS_PER_FRAME)
-        held = (
-            tiles
-            * 2
-            * self.spec.latent_channels
-            * self.latent_frames(window)
-            * (tile // self.spatial_scale**2)
-        )
+        tile_cells = self.latent_frames(window) * (tile // self.spatial_scale**2)
+        held = tiles * 2 * self.spec.latent_channels * tile_cells  # the window's, for the blend
         return (values + held + moments) * element_size
 
     def _levels(self, frames: int, pixels: int) -> list[Level]:
