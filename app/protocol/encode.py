@@ -40,7 +40,7 @@ from app.protocol.output import parse_accept
 from app.protocol.params import ENCODE_PARAMS, WIRE_DTYPES, DecodeParams, _bool, parse_params
 from app.protocol.params import parse_timeout as _parse_timeout
 from app.protocol.request import EncodeRequest, EncodeScaling, LatentFormat
-from app.protocol.shapes import Limits, check_run, mib, rows
+from app.protocol.shapes import Limits, check_memory, check_run, rows
 
 IMAGE_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/webp": "webp"}
 MP4_TYPES = {"video/mp4"}
@@ -274,17 +274,8 @@ def _check_size(b: int, frames: int, h: int, w: int, geo: EncoderGeometry, limit
             f"at most {limits.max_frames} frames (VAE_MAX_FRAMES)",
         )
     shape = (b, 3, frames, h, w) if geo.is_video and frames > 1 else (b, 3, h, w)
-    cap, row = limits.max_decode_bytes, (1, *shape[1:])
-    work, tiled = geo.planned_bytes(shape), False
-    if work > cap and geo.tiled_planned_bytes is not None and geo.planned_bytes(row) > cap:
-        work, tiled = geo.tiled_planned_bytes(shape), True  # the runner encodes it tiled
-    if work > cap:
-        raise ProtocolError(
-            413,
-            f"encoding {b}x{frames} frames of {w}x{h} needs about {mib(work)} of working "
-            f"memory{' even tiled' if tiled else ''}; the limit is {mib(cap)}",
-            "a smaller input (or a larger VAE_MAX_DECODE_MB, where the host has it)",
-        )
+    what = f"encoding {b}x{frames} frames of {w}x{h}"
+    check_memory(shape, geo.planned_bytes, geo.tiled_planned_bytes, limits, what, "a smaller input")
     check_run(geo.planned_bytes((1, *shape[1:])), limits, f"encoding {frames} frames of {w}x{h}")
     if min(h, w) < geo.spatial_scale * geo.min_cells:
         cells = "one latent cell" if geo.min_cells == 1 else f"{geo.min_cells} latent cells"

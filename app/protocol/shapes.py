@@ -26,6 +26,9 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 TENSOR_MIME = "tensor/binary"
 
 
+Plan = Callable[[tuple[int, ...]], int]  # a shape -> the bytes a part plans for it
+
+
 @dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 256 << 20
@@ -238,21 +241,29 @@ def check_shape(
 def check_work(
     shape: Sequence[int], kind: Output, geo: ModelGeometry, limits: Limits, what: str
 ) -> None:
-    """413 for a decode whose plan exceeds ``VAE_MAX_DECODE_MB``: the decoder's own estimate
-    (the runner plans with the same one; an MP4 streams one video), tiled where one row's
-    untiled plan exceeds the cap and the decoder tiles (the runner then decodes it tiled)."""
-    if kind is Output.PREVIEW:  # no decoder runs
-        return
+    """413 for a decode whose plan exceeds ``VAE_MAX_DECODE_MB`` (``check_memory``; an MP4
+    streams one video, a preview runs no decoder)."""
+    if kind is not Output.PREVIEW:
+        hint = "a smaller latent or batch"
+        check_memory(tuple(shape), geo.planned_bytes, geo.tiled_planned_bytes, limits, what, hint)
+
+
+def check_memory(
+    shape: tuple[int, ...], planned: Plan, tiled: Plan | None, limits: Limits, what: str, hint: str
+) -> None:
+    """413 for a run (decode or encode) whose plan exceeds ``VAE_MAX_DECODE_MB``: the part's own
+    estimate (the runner plans with the same one), its tiled plan where one row's untiled plan
+    exceeds the cap and the part tiles (the runner then runs it tiled)."""
     cap, row = limits.max_decode_bytes, (1, *shape[1:])
-    work, tiled = geo.planned_bytes(tuple(shape)), False
-    if work > cap and geo.tiled_planned_bytes is not None and geo.planned_bytes(row) > cap:
-        work, tiled = geo.tiled_planned_bytes(tuple(shape)), True
+    work, over = planned(shape), False
+    if work > cap and tiled is not None and planned(row) > cap:
+        work, over = tiled(shape), True
     if work > cap:
         raise ProtocolError(
             413,
-            f"{what} needs about {mib(work)} of working memory{' even tiled' if tiled else ''}; "
+            f"{what} needs about {mib(work)} of working memory{' even tiled' if over else ''}; "
             f"the limit is {mib(cap)}",
-            "a smaller latent or batch (or a larger VAE_MAX_DECODE_MB, where the host has it)",
+            f"{hint} (or a larger VAE_MAX_DECODE_MB, where the host has it)",
         )
 
 
